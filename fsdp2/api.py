@@ -1,0 +1,84 @@
+"""Policies: the small frozen configuration objects users hand to ``fully_shard``.
+
+Field names and defaults match ``torch.distributed.fsdp`` (2.13) so code written
+for torch's FSDP2 switches by changing one import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
+
+
+def _check_dtype(name: str, value: object) -> None:
+    if value is not None and not isinstance(value, torch.dtype):
+        raise TypeError(f"MixedPrecisionPolicy.{name} must be a torch.dtype or None, got {value!r}")
+    if isinstance(value, torch.dtype) and not value.is_floating_point:
+        raise ValueError(
+            f"MixedPrecisionPolicy.{name} must be a floating-point dtype, got {value}"
+        )
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Module-level mixed precision for one ``fully_shard`` group.
+
+    The sharded parameters (and so the optimizer) keep their original dtype;
+    only the all-gathered, unsharded parameters used by forward and backward
+    are in ``param_dtype``. Casts happen at module boundaries, not per op.
+
+    Attributes:
+        param_dtype: dtype of the unsharded parameters, hence of the
+            all-gather and of forward/backward compute. ``None`` keeps the
+            original dtype.
+        reduce_dtype: dtype of gradient reduction (reduce-scatter and, for
+            HSDP, all-reduce). ``None`` reduces in the compute dtype. When
+            gradient sync is disabled, unsharded gradients accumulate in this
+            dtype. Equal to ``param_dtype`` means the same as ``None``.
+        output_dtype: dtype that floating-point forward outputs are cast to;
+            ``None`` leaves outputs alone.
+        cast_forward_inputs: whether floating-point forward inputs are cast to
+            ``param_dtype`` before this module's forward.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            _check_dtype(name, getattr(self, name))
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError(
+                "MixedPrecisionPolicy.cast_forward_inputs must be a bool, "
+                f"got {self.cast_forward_inputs!r}"
+            )
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """No offloading: sharded parameters, gradients and optimizer state stay
+    on the mesh's device. The default ``offload_policy`` of ``fully_shard``."""
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep sharded parameters, their gradients and (so) the optimizer state on
+    the CPU; copy shards host-to-device before each all-gather and gradients
+    device-to-host after each reduce-scatter. The optimizer step runs on CPU.
+
+    Attributes:
+        pin_memory: pin the CPU shards and gradients so the copies can be
+            asynchronous and overlap compute. Set ``False`` when pinned host
+            memory is scarce.
+    """
+
+    pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pin_memory, bool):
+            raise TypeError(f"CPUOffloadPolicy.pin_memory must be a bool, got {self.pin_memory!r}")

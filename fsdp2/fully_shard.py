@@ -1,0 +1,431 @@
+"""``fully_shard``, the ``FSDPModule`` mixin, ``UnshardHandle`` and
+``register_fsdp_forward_method``: the public surface over the state and groups."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn, overload
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ._mesh import MeshInfo, default_mesh, mesh_info
+from ._param import FSDPParam
+from ._param_group import ParamGroup
+from ._state import FSDPState, state_of
+from .api import MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
+
+_OWNER_ATTR = "_fsdp2_managed_by"
+
+
+@overload
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+) -> FSDPModule: ...
+
+
+@overload
+def fully_shard(
+    module: list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+) -> list[FSDPModule]: ...
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+) -> Any:
+    """Shard ``module``'s parameters across ``mesh`` and train it data-parallel.
+
+    Call it bottom-up: on each block, then on the root. One call makes one
+    parameter *group*: the parameters of ``module``'s subtree minus those of
+    submodules already sharded. Each group is all-gathered in one collective
+    before its forward (and, if resharded, again before its backward) and its
+    gradients are reduce-scattered in one collective after its backward.
+
+    The module is changed in place: its class becomes ``FSDP<Class>`` (a
+    subclass of both :class:`FSDPModule` and the original class) and each
+    managed parameter is replaced by an ``nn.Parameter`` wrapping a
+    :class:`~torch.distributed.tensor.DTensor` sharded on dim 0 (placements
+    ``(Shard(0),)`` on a 1D mesh, ``(Replicate(), Shard(0))`` on a 2D HSDP
+    mesh). 0-dim parameters are replicated (``Replicate()``). Uneven dim-0
+    sizes are padded internally; ``p.full_tensor()`` is the original and
+    ``p.to_local()`` this rank's ``torch.chunk`` piece. Buffers move to the
+    mesh's device and stay unsharded. Outside forward and backward the
+    registered parameters are always the sharded ones, so the optimizer,
+    ``state_dict`` and gradient clipping see DTensors.
+
+    Args:
+        module: a module, or a list of modules to shard as one group (one
+            all-gather for all of them). Containers without ``forward``
+            (``nn.ModuleList``, ``nn.ModuleDict``) cannot be sharded themselves.
+        mesh: 1D mesh (FSDP) or 2D mesh (HSDP: replicate x shard). ``None``
+            builds a 1D mesh over the default process group.
+        reshard_after_forward: ``True`` frees the unsharded parameters after
+            forward and all-gathers again in backward; ``False`` keeps them
+            until after backward; an ``int`` ``k`` (a divisor of the shard
+            world size) keeps a copy sharded over ``k`` ranks, so the backward
+            all-gather runs over ``k`` ranks. ``None`` (default): ``True``,
+            except ``False`` for the root (whose backward comes first).
+        shard_placement_fn: reserved; only ``None`` is supported so far.
+        mp_policy: mixed precision, see :class:`MixedPrecisionPolicy`.
+        offload_policy: see :class:`OffloadPolicy` / :class:`CPUOffloadPolicy`.
+        ignored_params: parameters left as they are: not sharded, not moved,
+            gradients not reduced.
+
+    Returns:
+        ``module`` (or the list), now :class:`FSDPModule` instances.
+
+    Raises:
+        TypeError / ValueError: for bad arguments, modules already sharded,
+            parameters shared with another group, mixed parameter dtypes.
+    """
+    modules = _check_modules(module)
+    if mesh is None:
+        mesh = default_mesh()
+    info = mesh_info(mesh)
+    post_forward = normalize_reshard_after_forward(reshard_after_forward, info.shard_size)
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}"
+        )
+    if shard_placement_fn is not None:
+        raise NotImplementedError("fully_shard(shard_placement_fn=...) is not supported yet")
+    ignored = _check_ignored(ignored_params)
+    name = _group_name(modules)
+    params = _collect_params(modules, ignored, info, name)
+    originals = [p.sharded for p in params]
+    group = None
+    if params:
+        group = ParamGroup(
+            params,
+            info,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+            reshard_after_forward=post_forward,
+            name=name,
+        )
+        for orig in originals:  # sharing one with a later group is an error
+            setattr(orig, _OWNER_ATTR, name)
+    _move_buffers(modules, info.device)
+    FSDPState(modules, group, mp_policy, info.device, auto_reshard=reshard_after_forward is None)
+    for m in modules:
+        m.__class__ = _fsdp_class(type(m))
+    return module
+
+
+def normalize_reshard_after_forward(value: object, shard_size: int) -> bool | int:
+    """Validate ``reshard_after_forward`` and map it to ``True``/``False`` or an
+    int strictly between 1 and ``shard_size``."""
+    if value is None or isinstance(value, bool):
+        return True if value is None else value
+    if not isinstance(value, int):
+        raise TypeError(
+            f"reshard_after_forward must be a bool, an int or None, got {value!r}"
+        )
+    if value < 1 or value > shard_size or shard_size % value:
+        raise ValueError(
+            f"reshard_after_forward={value} must divide the shard world size {shard_size} "
+            "(e.g. the number of ranks per node); use True or False otherwise"
+        )
+    if value == 1:
+        warnings.warn(
+            "reshard_after_forward=1 keeps the full parameters after forward "
+            "(same as False); pass False to say so",
+            stacklevel=3,
+        )
+        return False
+    return True if value == shard_size else value
+
+
+def _check_modules(module: object) -> list[nn.Module]:
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("fully_shard got an empty list of modules")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}")
+        if type(m).forward is nn.Module.forward:
+            raise ValueError(
+                f"fully_shard cannot shard {type(m).__name__}: it has no forward, so its "
+                "parameters would never be all-gathered. Shard its children instead, e.g. "
+                "`for block in model.layers: fully_shard(block)`"
+            )
+        if state_of(m) is not None:
+            raise ValueError(f"{type(m).__name__} is already sharded by fully_shard")
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError("fully_shard got the same module twice in its list")
+    return modules
+
+
+def _check_ignored(ignored: object) -> set[int]:
+    if ignored is None:
+        return set()
+    if not isinstance(ignored, (set, frozenset, list, tuple)):
+        raise TypeError(f"ignored_params must be a set of parameters, got {type(ignored).__name__}")
+    for p in ignored:
+        if not isinstance(p, nn.Parameter):
+            raise TypeError(f"ignored_params must hold nn.Parameter objects, got {type(p).__name__}")
+    return {id(p) for p in ignored}
+
+
+def _group_name(modules: list[nn.Module]) -> str:
+    names = [type(m).__name__ for m in modules]
+    return names[0] if len(names) == 1 else "[" + ", ".join(names) + "]"
+
+
+def _managed_modules(modules: list[nn.Module]) -> Iterable[tuple[str, nn.Module]]:
+    """The subtrees of ``modules`` minus already-sharded submodules, with paths."""
+    seen: set[int] = set()
+    stack = [(f"[{i}]" if len(modules) > 1 else "", m) for i, m in reversed(list(enumerate(modules)))]
+    while stack:
+        path, m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        yield path, m
+        for child_name, child in reversed(list(m._modules.items())):
+            if child is None or state_of(child) is not None:
+                continue
+            stack.append((f"{path}.{child_name}" if path else child_name, child))
+
+
+def _collect_params(
+    modules: list[nn.Module], ignored: set[int], info: MeshInfo, name: str
+) -> list[FSDPParam]:
+    by_id: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
+    for path, m in _managed_modules(modules):
+        for pname, p in m._parameters.items():
+            if p is None or id(p) in ignored:
+                continue
+            fqn = f"{path}.{pname}" if path else pname
+            if id(p) in by_id:
+                by_id[id(p)][2].append((m, pname))
+                continue
+            if isinstance(p, DTensor):
+                raise ValueError(
+                    f"fully_shard({name}): parameter {fqn} is already a DTensor (placements "
+                    f"{p.placements}); composing with tensor parallelism is not supported yet"
+                )
+            owner = p.__dict__.get(_OWNER_ATTR)
+            if owner is not None:
+                raise ValueError(
+                    f"fully_shard({name}): parameter {fqn} is shared with fully_shard({owner}), "
+                    "which already sharded it; put the modules that share it in one call: "
+                    "fully_shard([a, b])"
+                )
+            by_id[id(p)] = (fqn, p, [(m, pname)])
+    return [FSDPParam(fqn, owners, p, info) for fqn, p, owners in by_id.values()]
+
+
+def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
+    for _, m in _managed_modules(modules):
+        for bname, b in m._buffers.items():
+            if b is not None and b.device != device and not b.is_meta:
+                m._buffers[bname] = b.to(device)
+
+
+def _no_deepcopy(self: Any, memo: Any) -> NoReturn:
+    raise TypeError(
+        f"{type(self).__name__} is sharded by fully_shard and cannot be deep-copied; "
+        "save and load a state dict instead (model.state_dict() / "
+        "torch.distributed.checkpoint)"
+    )
+
+
+@functools.cache
+def _fsdp_class(cls: type) -> type:
+    """``FSDP<cls>``: FSDPModule first in the MRO, one class per original class."""
+    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": _no_deepcopy})
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``."""
+
+    def __init__(self, state: FSDPState | None = None) -> None:
+        self._state = state
+
+    def wait(self) -> None:
+        """Wait for the all-gather; afterwards the unsharded parameters are
+        registered on the module and usable. Idempotent. A pending unshard is
+        also waited by the module's next forward, so calling this is optional."""
+        state, self._state = self._state, None
+        if state is not None and state.group is not None:
+            state.group.wait_for_unshard()
+
+
+class FSDPModule:
+    """Mixin added to every module passed to :func:`fully_shard`."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Constructing an FSDP class (e.g. nn.Sequential slicing builds
+        # ``type(self)(...)``) builds the plain original class instead.
+        orig = cls.__mro__[2]
+        self = orig.__new__(orig)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def _fsdp_state(self) -> FSDPState:
+        state = state_of(self)  # type: ignore[arg-type]
+        assert state is not None, "FSDPModule without fully_shard state"
+        return state
+
+    def _fsdp_modules(self, recurse: bool) -> list[FSDPState]:
+        if not recurse:
+            return [self._fsdp_state()]
+        out: list[FSDPState] = []
+        for m in self.modules():  # type: ignore[attr-defined]
+            st = state_of(m)
+            if st is not None and st not in out:
+                out.append(st)
+        return out
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters and register the unsharded ones.
+        Not recursive. With ``async_op=True`` return an :class:`UnshardHandle`
+        at once; the next forward of this module waits for it automatically.
+        Follows the mixed-precision policy (gathers in ``param_dtype``)."""
+        state = self._fsdp_state()
+        if state.group is not None:
+            state.group.unshard()
+        handle = UnshardHandle(state)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters (if allocated) and register the sharded
+        ones. Not recursive."""
+        state = self._fsdp_state()
+        if state.group is not None:
+            state.group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Whether backward reduces gradients. ``False`` accumulates unsharded
+        gradients locally (no communication) until a backward with ``True``
+        reduces their sum: gradient accumulation without communication (FSDP1's
+        ``no_sync``). For HSDP it covers both the reduce-scatter and the all-reduce."""
+        for st in self._fsdp_modules(recurse):
+            if st.group is not None:
+                st.group.reduce_grads = requires_gradient_sync
+                st.group.all_reduce_grads = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: whether backward all-reduces over the replicate dim (``False``:
+        reduce-scatter only)."""
+        for st in self._fsdp_modules(recurse):
+            if st.group is not None:
+                st.group.all_reduce_grads = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Change ``reshard_after_forward`` at run time (e.g. ``True`` on the root,
+        or ``False`` for evaluation)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"reshard_after_forward should be a bool, got {type(reshard_after_forward).__name__}"
+            )
+        for st in self._fsdp_modules(recurse):
+            st.auto_reshard = False
+            if st.group is not None:
+                st.group.set_post_forward(reshard_after_forward)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Whether backward frees the unsharded parameters; ``False`` keeps them
+        for the next forward (more memory, no all-gather), e.g. between
+        gradient-accumulation microbatches."""
+        for st in self._fsdp_modules(recurse):
+            if st.group is not None:
+                st.group.reshard_after_backward = reshard_after_backward
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Whether this module's parameters are all-gathered for backward; set
+        ``False`` only when backward does not need them (e.g. an embedding)."""
+        state = self._fsdp_state()
+        if state.group is not None:
+            state.group.unshard_in_backward = unshard_in_backward
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for compatibility: every backward already waits for its
+        reductions in the final callback."""
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' parameters right after this module's own
+        all-gather is issued in forward, instead of the implicit next module."""
+        self._fsdp_state_group_setter("fwd_prefetch", modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' parameters right after this module's own
+        all-gather in backward, instead of the implicit previous module."""
+        self._fsdp_state_group_setter("bwd_prefetch", modules)
+
+    def _fsdp_state_group_setter(self, attr: str, modules: list[FSDPModule]) -> None:
+        groups = []
+        for m in modules:
+            if not isinstance(m, FSDPModule):
+                raise ValueError(
+                    f"prefetch lists take FSDP modules (passed to fully_shard), got {type(m).__name__}"
+                )
+            g = m._fsdp_state().group
+            if g is not None:
+                groups.append(g)
+        state = self._fsdp_state()
+        if state.group is not None:
+            setattr(state.group, attr, groups)
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # Convert the sharded parameters, never the transient unsharded ones.
+        self.reshard()
+        return super()._apply(*args, **kwargs)  # type: ignore[misc]
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` (e.g. ``generate``) run with unsharded
+    parameters, like ``forward``: the pre/post-forward logic wraps it. A no-op
+    on modules that are not :class:`FSDPModule`.
+
+    Raises:
+        ValueError: ``module`` has no such method.
+    """
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r} to register")
+    orig = getattr(module, method_name)
+    state = state_of(module)
+    assert state is not None
+
+    @functools.wraps(orig)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state._pre_forward(module, args, kwargs)
+        out = orig(*args, **kwargs)
+        return state._post_forward(module, args, out)
+
+    setattr(module, method_name, wrapped)
