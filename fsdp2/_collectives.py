@@ -30,10 +30,15 @@ def _reduce_scatter(output, input, op, group):
 
 
 class Pending(NamedTuple):
-    """A collective in flight: ``output`` is valid once ``work`` is waited."""
+    """A collective in flight: ``output`` is valid once ``work`` is waited.
+
+    ``input`` is held until then so its memory is not reused while the
+    collective may still read it (on CUDA the collective runs on another stream).
+    """
 
     output: torch.Tensor
     work: dist.Work | None
+    input: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
@@ -47,7 +52,7 @@ def all_gather(input: torch.Tensor, group: dist.ProcessGroup, world_size: int) -
         return Pending(input.view(1, -1), None)
     output = torch.empty(world_size * input.numel(), dtype=input.dtype, device=input.device)
     work = _all_gather(output, input, group)
-    return Pending(output.view(world_size, -1), work)
+    return Pending(output.view(world_size, -1), work, input)
 
 
 def copy_out(
@@ -78,7 +83,7 @@ def reduce_scatter(
     if world_size == 1:
         return Pending(input.view(-1), None)
     output = torch.empty(input.size(1), dtype=input.dtype, device=input.device)
-    return Pending(output, _reduce_scatter(output, input.view(-1), op, group))
+    return Pending(output, _reduce_scatter(output, input.view(-1), op, group), input)
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op) -> Pending:

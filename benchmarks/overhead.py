@@ -1,0 +1,93 @@
+"""Framework overhead: many tiny sharded layers, so compute is negligible.
+
+Runs fsdp2 and torch's FSDP2 interleaved in the same process group and prints
+median step time and fully_shard init time per implementation, with ratios.
+
+    python benchmarks/overhead.py --layers 64 --world-size 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+
+def build(layers: int, dim: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), nn.ReLU()) for _ in range(layers)])
+
+
+def shard_with(impl: str, model: nn.Module, mesh) -> float:
+    if impl == "fsdp2":
+        from fsdp2 import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    t0 = time.perf_counter()
+    for block in model:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return time.perf_counter() - t0
+
+
+def worker(rank: int, args: argparse.Namespace) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    dist.init_process_group("gloo", rank=rank, world_size=args.world_size)
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (args.world_size,))
+    impls = ["fsdp2", "torch"]
+    models, opts, inits = {}, {}, {i: [] for i in impls}
+    for impl in impls:
+        m = build(args.layers, args.dim)
+        inits[impl].append(shard_with(impl, m, mesh))
+        models[impl] = m
+        opts[impl] = torch.optim.SGD(m.parameters(), lr=1e-3)
+    times: dict[str, list[float]] = {i: [] for i in impls}
+    x = torch.randn(8, args.dim)
+    for it in range(args.warmup + args.steps):
+        for impl in impls:  # interleaved
+            m, opt = models[impl], opts[impl]
+            dist.barrier()
+            t0 = time.perf_counter()
+            m(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            dt = time.perf_counter() - t0
+            if it >= args.warmup:
+                times[impl].append(dt)
+    for _ in range(2):  # more init samples
+        for impl in impls:
+            inits[impl].append(shard_with(impl, build(args.layers, args.dim), mesh))
+    if rank == 0:
+        med = {i: statistics.median(times[i]) for i in impls}
+        ini = {i: statistics.median(inits[i]) for i in impls}
+        print(f"# {' '.join(sys.argv)}  ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cpus)")
+        print(f"{'impl':8} {'step ms':>9} {'per layer us':>13} {'init ms':>9}")
+        for i in impls:
+            print(f"{i:8} {med[i]*1e3:9.2f} {med[i]/args.layers*1e6:13.1f} {ini[i]*1e3:9.1f}")
+        print(f"ratio fsdp2/torch: step {med['fsdp2']/med['torch']:.2f}x, init {ini['fsdp2']/ini['torch']:.2f}x")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=64)
+    ap.add_argument("--dim", type=int, default=16)
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--port", type=int, default=29533)
+    args = ap.parse_args()
+    mp.spawn(worker, args=(args,), nprocs=args.world_size)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,313 @@
+"""Multi-process runner for distributed tests: CPU, gloo, 127.0.0.1.
+
+``run_on_ranks(world_size, fn, *args)`` runs ``fn(*args)`` on every rank of a gloo process
+group and returns the per-rank results in rank order. See [Note: worker pools].
+
+[Note: worker pools]
+Spawning processes and forming a process group costs seconds on a 2-core machine, so each
+world size keeps a pool of persistent workers ('spawn' context, daemonic, one thread for
+torch, default process group initialized once). A task is ``(fn, args)`` pickled once in
+the parent, so ``fn`` must be a module-level function, pickled by reference; workers import
+test modules from ``tests/``. Results travel back pickled, so return plain data or CPU
+tensors (detached; a DTensor does not pickle: return ``.full_tensor()`` or ``.to_local()``).
+
+A task that fails or times out discards its pool: after one rank raised, the others may be
+blocked in a collective, and the collective sequence differs between ranks. The next call
+builds a fresh pool. A worker exits when its parent dies, even mid-collective, and ignores
+SIGINT, so Ctrl-C in pytest leaves no process behind.
+
+Between tasks a worker destroys the process groups the previous task created (safe then:
+the parent sends a task only once every rank finished the last one), restores torch's
+default dtype and grad mode, and runs ``gc.collect()``; objects from imports done at startup
+are frozen (``gc.freeze()``), so that collection takes ~1 ms, not ~140 ms. Seeding RNGs is
+the test's job.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import gc
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+__all__ = ["run_on_ranks"]
+
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+_START_TIMEOUT_S = 120.0  # spawning and importing torch; 4 ranks on 2 cores take a few s
+_FAILURE_GRACE_S = 3.0  # after one rank fails, how long to wait for the others to report
+_STACK_DUMP_WAIT_S = 2.0
+
+_Outcome = tuple[str, Any]  # ("ok", value) or ("error", traceback text)
+
+
+def run_on_ranks(
+    world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 180.0
+) -> list[Any]:
+    """Run ``fn(*args)`` on every rank of a ``world_size``-rank gloo group; return the results.
+
+    The default process group is initialized in each worker before ``fn`` runs. ``fn`` must be
+    a module-level function and ``args`` and return values must pickle. Workers are reused
+    across calls; see [Note: worker pools].
+
+    Returns:
+        ``fn``'s return values in rank order.
+
+    Raises:
+        AssertionError: if any rank raised (the message holds each failing rank's traceback),
+            died, or did not finish within ``timeout`` seconds (the message names those ranks
+            and holds their Python stacks). The pool is discarded in these cases.
+        TypeError: if ``fn`` or ``args`` do not pickle (lambdas, local functions).
+    """
+    try:
+        payload = pickle.dumps((fn, args))
+    except Exception as e:
+        raise TypeError(
+            f"run_on_ranks: cannot pickle {fn!r} and its args ({e}); fn must be a module-level "
+            "function and args plain data or tensors"
+        ) from e
+    pool = _get_pool(world_size)
+    for conn in pool.conns:
+        conn.send_bytes(payload)
+    try:
+        outcomes, pending = pool.collect(timeout)
+    except BaseException:  # e.g. KeyboardInterrupt: the task is still in flight on the workers
+        _discard_pool(world_size)
+        raise
+    errors = {rank: out[1] for rank, out in outcomes.items() if out[0] != "ok"}
+    if not errors and not pending:
+        return [outcomes[rank][1] for rank in range(world_size)]
+    stacks = pool.dump_stacks(pending)
+    _discard_pool(world_size)
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+    parts = [f"run_on_ranks(world_size={world_size}, fn={name}) failed"]
+    parts += [f"rank {rank} failed:\n{tb}" for rank, tb in sorted(errors.items())]
+    if pending:
+        why = "after another rank failed" if errors else f"within the timeout of {timeout:g} s"
+        parts.append(f"ranks {pending} did not finish {why}")
+        parts += [f"rank {rank} Python stacks:\n{stacks[rank]}" for rank in pending]
+    raise AssertionError("\n\n".join(parts))
+
+
+class _Pool:
+    """``world_size`` persistent worker processes sharing one gloo process group."""
+
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.stack_dir = tempfile.mkdtemp(prefix=f"fsdp2-harness-ws{world_size}-")
+        port = _free_port()
+        self.conns: list[Connection] = []
+        self.procs: list[mp.process.BaseProcess] = []
+        for rank in range(world_size):
+            parent_conn, child_conn = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(rank, world_size, port, child_conn, self.stack_path(rank), os.getpid()),
+                name=f"fsdp2-test-ws{world_size}-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child_conn.close()
+            self.conns.append(parent_conn)
+            self.procs.append(proc)
+        outcomes, pending = self.collect(_START_TIMEOUT_S)
+        errors = [f"rank {r}: {out[1]}" for r, out in sorted(outcomes.items()) if out[0] != "ok"]
+        if errors or pending:
+            self.close()
+            raise AssertionError(
+                f"harness: starting {world_size} gloo workers failed; not ready: {pending}\n"
+                + "\n".join(errors)
+            )
+
+    def stack_path(self, rank: int) -> str:
+        return os.path.join(self.stack_dir, f"rank{rank}.stacks")
+
+    def alive(self) -> bool:
+        return all(proc.is_alive() for proc in self.procs)
+
+    def collect(self, timeout: float) -> tuple[dict[int, _Outcome], list[int]]:
+        """Wait for one reply per rank; stop early ``_FAILURE_GRACE_S`` after a failure.
+
+        Returns the outcomes received and the ranks that did not reply (in rank order).
+        """
+        deadline = time.monotonic() + timeout
+        outcomes: dict[int, _Outcome] = {}
+        while len(outcomes) < self.world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            pending = [r for r in range(self.world_size) if r not in outcomes]
+            waitables = [self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending]
+            ready = wait(waitables, timeout=remaining)
+            for rank in pending:
+                if self.conns[rank] in ready or self.procs[rank].sentinel in ready:
+                    outcomes[rank] = self._receive(rank)
+                if rank in outcomes and outcomes[rank][0] != "ok":
+                    deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
+        return outcomes, [r for r in range(self.world_size) if r not in outcomes]
+
+    def _receive(self, rank: int) -> _Outcome:
+        conn, proc = self.conns[rank], self.procs[rank]
+        if conn.poll():  # a reply sent just before the worker exited is still buffered
+            try:
+                outcome: _Outcome = pickle.loads(conn.recv_bytes())
+                return outcome
+            except (EOFError, OSError):
+                pass
+            except Exception:
+                return (
+                    "error",
+                    f"cannot unpickle the reply in the parent:\n{traceback.format_exc()}",
+                )
+        proc.join(timeout=5)
+        stacks = self._read_stacks(rank) or "(no stack dumped; its stderr may say why)"
+        return ("error", f"worker died (exit code {proc.exitcode}):\n{stacks}")
+
+    def dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Ask the given ranks' workers to write their Python stacks (SIGUSR1) and read them."""
+        for rank in ranks:
+            pid = self.procs[rank].pid
+            if pid is not None and self.procs[rank].is_alive():
+                os.kill(pid, signal.SIGUSR1)
+        deadline = time.monotonic() + _STACK_DUMP_WAIT_S
+        while time.monotonic() < deadline and not all(self._read_stacks(r) for r in ranks):
+            time.sleep(0.05)
+        time.sleep(0.1)  # let a dump in progress finish
+        return {rank: self._read_stacks(rank) or "(no stack dumped)" for rank in ranks}
+
+    def _read_stacks(self, rank: int) -> str:
+        try:
+            with open(self.stack_path(rank)) as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        """Kill every worker (they hold nothing worth flushing) and remove the stack files."""
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join(timeout=10)
+        for conn in self.conns:
+            conn.close()
+        shutil.rmtree(self.stack_dir, ignore_errors=True)
+
+
+_pools: dict[int, _Pool] = {}
+
+
+def _get_pool(world_size: int) -> _Pool:
+    pool = _pools.get(world_size)
+    if pool is not None and not pool.alive():
+        _discard_pool(world_size)
+        pool = None
+    if pool is None:
+        pool = _pools[world_size] = _Pool(world_size)
+    return pool
+
+
+def _discard_pool(world_size: int) -> None:
+    pool = _pools.pop(world_size, None)
+    if pool is not None:
+        pool.close()
+
+
+@atexit.register
+def _close_all_pools() -> None:
+    for world_size in list(_pools):
+        _discard_pool(world_size)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker side
+
+
+def _worker_main(
+    rank: int, world_size: int, port: int, conn: Connection, stack_path: str, parent_pid: int
+) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns our lifetime
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    stack_file = open(stack_path, "w")  # faulthandler writes here until exit
+    faulthandler.enable(file=stack_file, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    if _TESTS_DIR not in sys.path:
+        sys.path.insert(0, _TESTS_DIR)
+    if sys.platform == "linux":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # never leave the loopback device
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        )
+        # Modules most tests import, loaded once so that gc.freeze() covers them.
+        import torch.distributed.fsdp  # noqa: F401
+        import torch.distributed.tensor  # noqa: F401
+        import torch.testing  # noqa: F401
+
+        gc.freeze()  # the per-task gc.collect() then skips import-time objects (~140 ms -> ~1)
+        reply = pickle.dumps(("ok", os.getpid()))
+    except BaseException:
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+        return
+    conn.send_bytes(reply)
+    default_dtype = torch.get_default_dtype()
+    while True:
+        try:
+            payload = conn.recv_bytes()
+        except EOFError:  # the parent closed the pool
+            break
+        reply = _run_task(payload)
+        torch.set_default_dtype(default_dtype)
+        torch.set_grad_enabled(True)
+        gc.collect()
+        conn.send_bytes(reply)
+    dist.destroy_process_group()
+
+
+def _run_task(payload: bytes) -> bytes:
+    """Run one pickled ``(fn, args)``; return the pickled outcome. Locals die on return."""
+    try:
+        _destroy_subgroups()
+        fn, args = pickle.loads(payload)
+        return pickle.dumps(("ok", fn(*args)))
+    except BaseException:  # SystemExit and KeyboardInterrupt from a test are failures too
+        return pickle.dumps(("error", traceback.format_exc()))
+
+
+def _destroy_subgroups() -> None:
+    """Destroy every process group but the default one (each gloo group holds threads, fds)."""
+    import torch.distributed as dist
+
+    world = dist.GroupMember.WORLD
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not world:
+            dist.destroy_process_group(group)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os._exit(1)

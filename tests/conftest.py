@@ -1,0 +1,22 @@
+"""Pytest setup shared by every test: ``tests/`` on sys.path and the ``gpu`` marker's skip."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)  # test helpers (`_harness`, models) import by bare name
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA; torch.cuda.is_available() is False")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
