@@ -8,10 +8,12 @@ orders the current stream after it, so the host never blocks.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from .api import AllGather, Comm, ReduceScatter
 
 # torch 2.13 renamed the flat collectives; older builds only have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -46,29 +48,44 @@ class Pending(NamedTuple):
         return self.output
 
 
-def all_gather(input: torch.Tensor, group: dist.ProcessGroup, world_size: int) -> Pending:
+def _empty(numel: int, like: torch.Tensor, dtype: torch.dtype, comm: Comm | None) -> torch.Tensor:
+    if comm is None:
+        return torch.empty(numel, dtype=dtype, device=like.device)
+    return comm.allocate((numel,), dtype=dtype, device=like.device)
+
+
+def all_gather(
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    world_size: int,
+    comm: AllGather | None = None,
+) -> Pending:
     """All-gather a flat 1D ``input`` into a ``(world_size, numel)`` rank-major output."""
     if world_size == 1:
         return Pending(input.view(1, -1), None)
-    output = torch.empty(world_size * input.numel(), dtype=input.dtype, device=input.device)
-    work = _all_gather(output, input, group)
+    output = _empty(world_size * input.numel(), input, input.dtype, comm)
+    if comm is None:
+        work = _all_gather(output, input, group)
+    else:
+        work = comm(output, input, group, async_op=True)
     return Pending(output.view(world_size, -1), work, input)
 
 
-def copy_out(
-    output: torch.Tensor, split_sizes: list[int], dsts: list[torch.Tensor]
-) -> None:
+def copy_out(output: torch.Tensor, split_sizes: list[int], dsts: list[torch.Tensor]) -> None:
     """Scatter a rank-major all-gather output into per-parameter ``(world, padded)`` views."""
     torch.split_with_sizes_copy(output, split_sizes, dim=1, out=dsts)
 
 
 def pack_for_reduce_scatter(
-    grads: list[torch.Tensor], world_size: int, dtype: torch.dtype
+    grads: list[torch.Tensor],
+    world_size: int,
+    dtype: torch.dtype,
+    comm: ReduceScatter | None = None,
 ) -> torch.Tensor:
     """Pack unsharded gradients rank-major, each padded to ``ceil(dim0 / world)`` rows:
     row ``r`` of the result is what rank ``r`` receives after the reduce-scatter."""
     numel = sum(-(-g.size(0) // world_size) * (g.numel() // max(g.size(0), 1)) for g in grads)
-    out = torch.empty((world_size, numel), dtype=dtype, device=grads[0].device)
+    out = _empty(world_size * numel, grads[0], dtype, comm).view(world_size, numel)
     if any(g.dtype != dtype for g in grads):
         grads = [g.to(dtype) for g in grads]
     torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=out)
@@ -76,16 +93,65 @@ def pack_for_reduce_scatter(
 
 
 def reduce_scatter(
-    input: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    op: Any,
+    comm: ReduceScatter | None = None,
 ) -> Pending:
     """Reduce-scatter a ``(world, numel)`` input; each rank gets ``numel`` elements."""
     world_size = input.size(0)
     if world_size == 1:
         return Pending(input.view(-1), None)
-    output = torch.empty(input.size(1), dtype=input.dtype, device=input.device)
-    return Pending(output, _reduce_scatter(output, input.view(-1), op, group), input)
+    output = _empty(input.size(1), input, input.dtype, comm)
+    if comm is None:
+        work = _reduce_scatter(output, input.view(-1), op, group)
+    else:
+        work = comm(output, input.view(-1), group, op, async_op=True)
+    return Pending(output, work, input)
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op) -> Pending:
+class DividePlan(NamedTuple):
+    """How gradients get averaged: divide the packed input by ``pre``, reduce
+    with ``rs_op`` then ``ar_op``, divide the result by ``post`` (``None``: skip)."""
+
+    pre: float | None
+    post: float | None
+    rs_op: Any
+    ar_op: Any
+
+
+def divide_plan(
+    shard_size: int,
+    replicate_size: int,
+    dtype: torch.dtype,
+    factor: float | None,
+    force_sum: bool,
+) -> DividePlan:
+    """Average over ``shard_size * replicate_size`` ranks, or divide by ``factor``.
+
+    fp32/bf16 use the collective's own average (one pass, no extra kernel).
+    fp16 (or ``force_sum``) sums; fp16 splits the division around the sum
+    (about sqrt(N) before, the rest after) so neither overflows nor underflows.
+    """
+    SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
+    dp = shard_size * replicate_size
+    safe = dtype in (torch.float32, torch.bfloat16, torch.float64)
+    if safe and not force_sum:
+        if factor is None:
+            return DividePlan(None, None, AVG, AVG) if dp > 1 else DividePlan(None, None, SUM, SUM)
+        if factor == dp:
+            return DividePlan(None, None, AVG, AVG)
+        return DividePlan(None, factor if factor != 1 else None, SUM, SUM)
+    total = float(dp if factor is None else factor)
+    if safe:
+        return DividePlan(None, total if total != 1 else None, SUM, SUM)
+    pre = 1  # the smallest power of two with pre >= total / pre (when it divides)
+    while total % pre == 0 and total / pre > pre:
+        pre *= 2
+    post = total / pre
+    return DividePlan(pre if pre != 1 else None, post if post != 1 else None, SUM, SUM)
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: Any) -> Pending:
     """All-reduce ``tensor`` in place."""
     return Pending(tensor, dist.all_reduce(tensor, op=op, group=group, async_op=True))

@@ -52,6 +52,7 @@ class FSDPParam:
         "shape",
         "requires_grad",
         "is_scalar",
+        "shard_dim",
         "row_numel",
         "padded_numel",
         "local_shape",
@@ -65,7 +66,12 @@ class FSDPParam:
     )
 
     def __init__(
-        self, fqn: str, owners: list[tuple[nn.Module, str]], param: nn.Parameter, info: MeshInfo
+        self,
+        fqn: str,
+        owners: list[tuple[nn.Module, str]],
+        param: nn.Parameter,
+        info: MeshInfo,
+        shard_dim: int = 0,
     ) -> None:
         self.fqn = fqn
         self.owners = owners
@@ -73,9 +79,18 @@ class FSDPParam:
         self.requires_grad = param.requires_grad
         # 0-dim parameters are replicated (see [Note: scalars] in _param_group.py).
         self.is_scalar = param.dim() == 0
+        self.shard_dim = shard_dim
         if self.is_scalar:
             self.row_numel, padded, start, rows = 1, 1, 0, 1
             self.local_shape: tuple[int, ...] = ()
+        elif shard_dim != 0:  # even split only (checked by fully_shard)
+            # [Note: other shard dims] a Shard(d) parameter's local chunk is
+            # contiguous in the flat buffer like any other; only the copy-out
+            # and the gradient packing permute, see ParamGroup.
+            chunk = param.shape[shard_dim] // info.shard_size
+            self.local_shape = (*param.shape[:shard_dim], chunk, *param.shape[shard_dim + 1 :])
+            self.row_numel, padded = math.prod(self.local_shape), 1
+            start, rows = info.shard_rank * chunk, 1
         else:
             self.row_numel = math.prod(param.shape[1:])
             padded, start, rows = chunk_rows(param.shape[0], info.shard_size, info.shard_rank)
@@ -93,7 +108,16 @@ class FSDPParam:
         """This rank's unpadded chunk of ``full``."""
         if self.is_scalar:
             return full
-        return full.narrow(0, self.row_start, self.local_shape[0])
+        d = self.shard_dim
+        return full.narrow(d, self.row_start, self.local_shape[d])
+
+    def split_view(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (full shape) as ``(world, *local_shape)``: chunk ``r`` along the
+        shard dim at index ``r`` (a view for ``Shard(d)``, d > 0)."""
+        d = self.shard_dim
+        shape = self.shape
+        world = shape[d] // self.local_shape[d]
+        return t.view(*shape[:d], world, self.local_shape[d], *shape[d + 1 :]).movedim(d, 0)
 
     def local_view(self, flat: torch.Tensor) -> torch.Tensor:
         """This parameter's local chunk inside a rank's flat (sharded-layout) buffer."""
@@ -103,7 +127,7 @@ class FSDPParam:
 
     def make_sharded(self, flat: torch.Tensor, info: MeshInfo) -> nn.Parameter:
         local = self.local_view(flat)
-        placements = info.placements(None if self.is_scalar else 0)
+        placements = info.placements(None if self.is_scalar else self.shard_dim)
         dt = DTensor.from_local(
             local,
             info.mesh,

@@ -13,16 +13,16 @@ reduced together. Owns unshard / wait / reshard and gradient reduction.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from . import _collectives as C
 from ._mesh import MeshInfo, post_forward_group
 from ._param import FSDPParam
-from .api import MixedPrecisionPolicy, OffloadPolicy
+from .api import AllGather, MixedPrecisionPolicy, OffloadPolicy, ReduceScatter
 
 if TYPE_CHECKING:
     from ._state import StepContext
@@ -81,6 +81,15 @@ class ParamGroup:
         self.all_reduce_grads = True
         self.reshard_after_backward = True
         self.unshard_in_backward = True
+        self.reduce_unused = False  # set_reduce_scatter_unused_params
+        self.max_inflight = 1  # set_reduce_scatter_max_input_buffers
+        self.divide_factor: float | None = None  # set_gradient_divide_factor
+        self.force_sum = False  # set_force_sum_reduction_for_comms
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.ag_comm: AllGather | None = None  # set_custom_all_gather
+        self.rs_comm: ReduceScatter | None = None  # set_custom_reduce_scatter
+        self.partial_reduce: torch.Tensor | None = None  # HSDP without all-reduce
+        self._acc_grads: dict[int, torch.Tensor] = {}  # no-sync sums in reduce_dtype
         self.post_forward: bool | int = reshard_after_forward
         # per-step bookkeeping, reset by reset_step()
         self.post_backward_pending = 0  # registered post-backward nodes still to fire
@@ -109,7 +118,7 @@ class ParamGroup:
         # Padding must be zeros: it is all-gathered and reduced like real data.
         flat = torch.zeros(offset, dtype=self.orig_dtype, device=flat_device)
         with torch.no_grad():
-            for p, t in zip(self.params, originals):
+            for p, t in zip(self.params, originals, strict=True):
                 if not is_meta and p.local_numel:
                     p.local_view(flat).copy_(p.local_chunk(t.detach()))
         self.sharded_flat = flat
@@ -125,7 +134,13 @@ class ParamGroup:
             data.narrow(0, w * p.offset, w * p.padded_numel).view(w, p.padded_numel)
             for p in self.params
         ]
-        for p, t in zip(self.params, originals):
+        # Shard(d > 0) params: the copy-out writes a permuted view instead.
+        self._dim_copies = [
+            (i, p.split_view(data.narrow(0, w * p.offset, w * p.padded_numel)), p.local_shape)
+            for i, p in enumerate(self.params)
+            if p.shard_dim != 0
+        ]
+        for p, t in zip(self.params, originals, strict=True):
             numel = 1 if p.is_scalar else t.numel()
             view = un.narrow(0, w * p.offset, numel).view(p.shape)
             p.unsharded = nn.Parameter(view, requires_grad=p.requires_grad)
@@ -172,7 +187,7 @@ class ParamGroup:
             flat = flat.to(self.device, non_blocking=True)
         if self.param_dtype != self.orig_dtype:
             flat = flat.to(self.param_dtype)
-        self._pending_ag = C.all_gather(flat, self.info.shard_group, self.world)
+        self._pending_ag = C.all_gather(flat, self.info.shard_group, self.world, self.ag_comm)
         self._pending_ag_small = False
 
     def wait_for_unshard(self) -> None:
@@ -189,11 +204,23 @@ class ParamGroup:
         if self._pending_ag_small:
             assert self._small is not None
             self._small.copy_out(output)
-        else:
+        elif not self._dim_copies:
             C.copy_out(output, self.split_sizes, self.copy_dsts)
+        else:
+            self._copy_out_permuted(output)
         del output, pending
         self.sharded_state = Sharded.UNSHARDED
         self.register_unsharded()
+
+    def _copy_out_permuted(self, output: torch.Tensor) -> None:
+        chunks = output.split(self.split_sizes, dim=1)
+        special = {i: (dst, shape) for i, dst, shape in self._dim_copies}
+        for i, (chunk, dst) in enumerate(zip(chunks, self.copy_dsts, strict=True)):
+            if i in special:
+                dst, shape = special[i]
+                dst.copy_(chunk.view(chunk.size(0), *shape))
+            else:
+                dst.copy_(chunk)
 
     def reshard(self, *, to_small: bool = False) -> None:
         """Free the unsharded params and register the sharded ones. With
@@ -226,44 +253,80 @@ class ParamGroup:
         self.backward_done = True
         if self.reduce_grads:
             self._reduce()
+        elif self.reduce_dtype is not None:
+            self._accumulate_in_reduce_dtype()
         if self.reshard_after_backward:
             self.reshard()
         elif self.sharded_state is Sharded.SMALL:
             self.sharded_state = Sharded.SHARDED
 
     def has_unreduced_grads(self) -> bool:
-        return any(p.unsharded.grad is not None for p in self._grad_params)
+        return bool(self._acc_grads) or any(p.unsharded.grad is not None for p in self._grad_params)
+
+    def _accumulate_in_reduce_dtype(self) -> None:
+        """Without gradient sync, keep the running sum in ``reduce_dtype`` (so
+        low-precision compute does not accumulate in low precision)."""
+        acc = self._acc_grads
+        for p in self._grad_params:
+            g = p.unsharded.grad
+            if g is None:
+                continue
+            p.unsharded.grad = None
+            prev = acc.get(id(p))
+            acc[id(p)] = g.to(self.reduce_dtype) if prev is None else prev.add_(g)
+
+    def _take_grads(self) -> tuple[list[FSDPParam], list[torch.Tensor]]:
+        params, grads = [], []
+        acc = self._acc_grads
+        for p in self._grad_params:
+            g = p.unsharded.grad
+            if acc:
+                prev = acc.pop(id(p), None)
+                if prev is not None:
+                    g = prev if g is None else prev.add_(g)
+            if g is None:
+                if not self.reduce_unused:
+                    continue
+                g = torch.zeros(p.shape, dtype=self.param_dtype, device=self.device)
+            p.unsharded.grad = None
+            params.append(p)
+            if p.is_scalar:
+                g = g.expand(self.world)
+            elif p.shard_dim != 0:
+                g = p.split_view(g).reshape(self.world, -1)
+            grads.append(g)
+        return params, grads
 
     def _reduce(self) -> None:
-        params = [p for p in self._grad_params if p.unsharded.grad is not None]
+        params, grads = self._take_grads()
         if not params:
             return
-        grads = []
-        for p in params:
-            g = p.unsharded.grad
-            p.unsharded.grad = None
-            grads.append(g.expand(self.world) if p.is_scalar else g)
         dtype = self.reduce_dtype or self.param_dtype
-        packed = C.pack_for_reduce_scatter(grads, self.world, dtype)
+        packed = C.pack_for_reduce_scatter(grads, self.world, dtype, self.rs_comm)
         del grads
-        op = dist.ReduceOp.AVG
-        pending = C.reduce_scatter(packed, self.info.shard_group, op)
+        plan = C.divide_plan(
+            self.world,
+            self.info.replicate_size if self.info.replicate_group is not None else 1,
+            dtype,
+            self.divide_factor,
+            self.force_sum,
+        )
+        if plan.pre is not None:
+            packed.div_(plan.pre)
+        pending = C.reduce_scatter(packed, self.info.shard_group, plan.rs_op, self.rs_comm)
         assert self.ctx is not None
-        self.ctx.add_reduction(_Reduction(self, params, pending, op))
+        self.ctx.add_reduction(_Reduction(self, params, pending, plan))
 
     def land_grads(self, params: list[FSDPParam], output: torch.Tensor) -> None:
         """Turn a rank's reduce-scatter output into the sharded params' ``.grad``
         (views of ``output``), accumulating into existing gradients."""
         if output.dtype != self.orig_dtype or output.device != self.sharded_flat.device:
             output = output.to(device=self.sharded_flat.device, dtype=self.orig_dtype)
-        full = len(params) == len(self._grad_params)
-        offset = 0
-        base = output.storage_offset()
+        offset = output.storage_offset()
         acc_dst, acc_src = [], []
         for p in params:
-            off = p.offset if full else offset
+            local = output.as_strided(p.local_shape, p.local_stride, offset)
             offset += p.padded_numel
-            local = output.as_strided(p.local_shape, p.local_stride, base + off)
             sp = p.sharded
             g = sp.grad
             if g is None:
@@ -280,31 +343,51 @@ class ParamGroup:
         self.post_backward_pending = 0
         self.backward_done = False
 
+    def discard_grads(self) -> None:
+        """Drop unreduced gradients (unsharded, no-sync sums, HSDP partials)."""
+        for p in self._grad_params:
+            p.unsharded.grad = None
+        self._acc_grads.clear()
+        self.partial_reduce = None
+
 
 class _Reduction:
     """One group's gradient reduction in flight: reduce-scatter, then (HSDP)
     all-reduce, then the gradients land."""
 
-    __slots__ = ("group", "params", "pending", "op", "all_reduced")
+    __slots__ = ("group", "params", "pending", "plan", "stage")
 
-    def __init__(self, group: ParamGroup, params: list[FSDPParam], pending: C.Pending, op):
+    def __init__(
+        self, group: ParamGroup, params: list[FSDPParam], pending: C.Pending, plan: C.DividePlan
+    ) -> None:
         self.group = group
         self.params = params
         self.pending = pending
-        self.op = op
-        g = group
-        self.all_reduced = g.info.replicate_group is None or not g.all_reduce_grads
+        self.plan = plan
+        self.stage = "reduce_scatter"
 
     def advance(self) -> bool:
-        """Wait for the current stage and start the next; True once the grads landed."""
+        """Wait for the current stage and start the next; True once finished."""
+        g = self.group
         output = self.pending.wait()
-        if not self.all_reduced:
-            self.all_reduced = True
-            rep = self.group.info.replicate_group
-            assert rep is not None
-            self.pending = C.all_reduce(output, rep, self.op)
+        if self.stage == "reduce_scatter" and g.info.replicate_group is not None:
+            if not g.all_reduce_grads:
+                # HSDP accumulation: keep the shard-reduced sum, all-reduce it later.
+                g.partial_reduce = (
+                    output if g.partial_reduce is None else g.partial_reduce.add_(output)
+                )
+                return True
+            if g.partial_reduce is not None:
+                output.add_(g.partial_reduce)
+                g.partial_reduce = None
+            self.stage = "all_reduce"
+            self.pending = C.all_reduce(output, g.info.replicate_group, self.plan.ar_op)
             return False
-        self.group.land_grads(self.params, output)
+        if g.all_reduce_hook is not None:
+            g.all_reduce_hook(output)
+        if self.plan.post is not None:
+            output.div_(self.plan.post)
+        g.land_grads(self.params, output)
         return True
 
 
@@ -326,11 +409,12 @@ class _SmallShard:
         per = [w // size * p.padded_numel for p in group.params]
         self.split_sizes = per
         self.sources = [
-            un.narrow(0, w * p.offset + self.rank * n, n) for p, n in zip(group.params, per)
+            un.narrow(0, w * p.offset + self.rank * n, n)
+            for p, n in zip(group.params, per, strict=True)
         ]
         self.dsts = [
             un.narrow(0, w * p.offset, w * p.padded_numel).view(size, n)
-            for p, n in zip(group.params, per)
+            for p, n in zip(group.params, per, strict=True)
         ]
         if group.sharded_state is not Sharded.UNSHARDED:
             _free(group.unsharded_flat)

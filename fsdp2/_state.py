@@ -52,13 +52,15 @@ class StepContext:
     # ---- reductions ------------------------------------------------------------
 
     def add_reduction(self, reduction: _Reduction) -> None:
-        """Queue a reduction; push older ones a stage on, so about one per
-        stage stays in flight and gradients land as early as they can."""
+        """Queue a reduction and push every older one but the newest
+        ``max_inflight`` a stage on (wait its reduce-scatter, start its HSDP
+        all-reduce, or land its gradients): gradients land as early as they
+        can while few groups' gradient buffers are alive."""
         q = self.reductions
-        for old in list(q):
+        q.append(reduction)
+        for old in list(q)[: -reduction.group.max_inflight]:
             if old.advance():
                 q.remove(old)
-        q.append(reduction)
 
     def drain_reductions(self) -> None:
         q = self.reductions
@@ -93,6 +95,19 @@ class StepContext:
         for i, g in enumerate(order):  # later occurrences win: backward runs them first
             g.bwd_next = [order[i - 1]] if i > 0 else []
         Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def reset(self) -> None:
+        """Recover from an exception mid-step (``reset_iter_state``)."""
+        for r in self.reductions:
+            r.pending.wait()
+        self.reductions.clear()
+        for g in self.groups:
+            g.reshard()
+            g.discard_grads()
+            g.reset_step()
+        self.in_backward = False
+        self.fwd_order = []
+        self.post_fwd_order = []
 
     def finish_backward(self) -> None:
         """The root's final callback: see [Note: one step]."""
@@ -148,6 +163,7 @@ class FSDPState:
         self.auto_reshard = auto_reshard
         self.ctx: StepContext | None = None
         self.is_root = False
+        self.post_optim_event: torch.Event | None = None
         self._fwd_left: set[int] = set()
         self.handles = []
         for m in modules:
@@ -192,6 +208,9 @@ class FSDPState:
             assert ctx is not None
         if self.is_root and not ctx.in_backward:
             ctx.begin_forward()
+            if self.post_optim_event is not None:
+                torch.accelerator.current_stream(self.device).wait_event(self.post_optim_event)
+                self.post_optim_event = None
             if self.device.type != "cpu":
                 args, kwargs = tree_map(self._to_device, (args, kwargs))
         g = self.group
@@ -224,7 +243,7 @@ class FSDPState:
         if not idx:
             return args, kwargs
         outs = _PostBackward.apply(self, *(flat[i] for i in idx))
-        for i, t in zip(idx, outs):
+        for i, t in zip(idx, outs, strict=True):
             flat[i] = t
         assert self.group is not None
         self.group.post_backward_pending += 1

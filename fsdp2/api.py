@@ -6,20 +6,29 @@ for torch's FSDP2 switches by changing one import.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
+__all__ = [
+    "AllGather",
+    "CPUOffloadPolicy",
+    "Comm",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "ReduceScatter",
+]
 
 
 def _check_dtype(name: str, value: object) -> None:
     if value is not None and not isinstance(value, torch.dtype):
         raise TypeError(f"MixedPrecisionPolicy.{name} must be a torch.dtype or None, got {value!r}")
     if isinstance(value, torch.dtype) and not value.is_floating_point:
-        raise ValueError(
-            f"MixedPrecisionPolicy.{name} must be a floating-point dtype, got {value}"
-        )
+        raise ValueError(f"MixedPrecisionPolicy.{name} must be a floating-point dtype, got {value}")
 
 
 @dataclass(frozen=True)
@@ -82,3 +91,50 @@ class CPUOffloadPolicy(OffloadPolicy):
     def __post_init__(self) -> None:
         if not isinstance(self.pin_memory, bool):
             raise TypeError(f"CPUOffloadPolicy.pin_memory must be a bool, got {self.pin_memory!r}")
+
+
+class Comm(ABC):
+    """A user-provided collective: decides where its buffers live and how it runs.
+
+    Set with ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``.
+    """
+
+    @abstractmethod
+    def allocate(
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """Return an uninitialized tensor of ``size`` for the collective's buffers
+        (e.g. from a registered memory pool). ``torch.empty`` is a valid choice."""
+
+
+class AllGather(Comm):
+    """Custom all-gather: ``output`` (flat, ``world * input.numel()``) receives
+    every rank's ``input`` in rank order."""
+
+    @abstractmethod
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        """Run the all-gather; return a ``Work`` when ``async_op`` (fsdp2 always
+        passes ``True``), or ``None`` if it completed synchronously."""
+
+
+class ReduceScatter(Comm):
+    """Custom reduce-scatter: ``output`` receives this rank's ``1 / world`` of the
+    reduction of the flat ``input`` over ``group``."""
+
+    @abstractmethod
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        """Run the reduce-scatter with reduce ``op``; return a ``Work`` (or ``None``
+        if it completed synchronously)."""

@@ -11,15 +11,21 @@ from typing import Any, NoReturn, overload
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from ._mesh import MeshInfo, default_mesh, mesh_info
 from ._param import FSDPParam
 from ._param_group import ParamGroup
 from ._state import FSDPState, state_of
-from .api import MixedPrecisionPolicy, OffloadPolicy
+from .api import AllGather, MixedPrecisionPolicy, OffloadPolicy, ReduceScatter
 
-__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
+__all__ = [
+    "FSDPModule",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
+]
 
 _OWNER_ATTR = "_fsdp2_managed_by"
 
@@ -92,7 +98,10 @@ def fully_shard(
             world size) keeps a copy sharded over ``k`` ranks, so the backward
             all-gather runs over ``k`` ranks. ``None`` (default): ``True``,
             except ``False`` for the root (whose backward comes first).
-        shard_placement_fn: reserved; only ``None`` is supported so far.
+        shard_placement_fn: called with each managed parameter; returns
+            ``None`` (shard on dim 0) or ``Shard(d)`` to shard on dim ``d``
+            (e.g. the expert dim of MoE weights). ``d > 0`` needs
+            ``shape[d]`` divisible by the shard world size.
         mp_policy: mixed precision, see :class:`MixedPrecisionPolicy`.
         offload_policy: see :class:`OffloadPolicy` / :class:`CPUOffloadPolicy`.
         ignored_params: parameters left as they are: not sharded, not moved,
@@ -116,11 +125,13 @@ def fully_shard(
         raise TypeError(
             f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}"
         )
-    if shard_placement_fn is not None:
-        raise NotImplementedError("fully_shard(shard_placement_fn=...) is not supported yet")
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(
+            f"shard_placement_fn must be callable, got {type(shard_placement_fn).__name__}"
+        )
     ignored = _check_ignored(ignored_params)
     name = _group_name(modules)
-    params = _collect_params(modules, ignored, info, name)
+    params = _collect_params(modules, ignored, info, name, shard_placement_fn)
     originals = [p.sharded for p in params]
     group = None
     if params:
@@ -147,9 +158,7 @@ def normalize_reshard_after_forward(value: object, shard_size: int) -> bool | in
     if value is None or isinstance(value, bool):
         return True if value is None else value
     if not isinstance(value, int):
-        raise TypeError(
-            f"reshard_after_forward must be a bool, an int or None, got {value!r}"
-        )
+        raise TypeError(f"reshard_after_forward must be a bool, an int or None, got {value!r}")
     if value < 1 or value > shard_size or shard_size % value:
         raise ValueError(
             f"reshard_after_forward={value} must divide the shard world size {shard_size} "
@@ -171,7 +180,9 @@ def _check_modules(module: object) -> list[nn.Module]:
         raise ValueError("fully_shard got an empty list of modules")
     for m in modules:
         if not isinstance(m, nn.Module):
-            raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}")
+            raise TypeError(
+                f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}"
+            )
         if type(m).forward is nn.Module.forward:
             raise ValueError(
                 f"fully_shard cannot shard {type(m).__name__}: it has no forward, so its "
@@ -192,7 +203,9 @@ def _check_ignored(ignored: object) -> set[int]:
         raise TypeError(f"ignored_params must be a set of parameters, got {type(ignored).__name__}")
     for p in ignored:
         if not isinstance(p, nn.Parameter):
-            raise TypeError(f"ignored_params must hold nn.Parameter objects, got {type(p).__name__}")
+            raise TypeError(
+                f"ignored_params must hold nn.Parameter objects, got {type(p).__name__}"
+            )
     return {id(p) for p in ignored}
 
 
@@ -204,7 +217,9 @@ def _group_name(modules: list[nn.Module]) -> str:
 def _managed_modules(modules: list[nn.Module]) -> Iterable[tuple[str, nn.Module]]:
     """The subtrees of ``modules`` minus already-sharded submodules, with paths."""
     seen: set[int] = set()
-    stack = [(f"[{i}]" if len(modules) > 1 else "", m) for i, m in reversed(list(enumerate(modules)))]
+    stack = [
+        (f"[{i}]" if len(modules) > 1 else "", m) for i, m in reversed(list(enumerate(modules)))
+    ]
     while stack:
         path, m = stack.pop()
         if id(m) in seen:
@@ -218,7 +233,11 @@ def _managed_modules(modules: list[nn.Module]) -> Iterable[tuple[str, nn.Module]
 
 
 def _collect_params(
-    modules: list[nn.Module], ignored: set[int], info: MeshInfo, name: str
+    modules: list[nn.Module],
+    ignored: set[int],
+    info: MeshInfo,
+    name: str,
+    placement_fn: Callable[[nn.Parameter], Any] | None,
 ) -> list[FSDPParam]:
     by_id: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
     for path, m in _managed_modules(modules):
@@ -242,7 +261,38 @@ def _collect_params(
                     "fully_shard([a, b])"
                 )
             by_id[id(p)] = (fqn, p, [(m, pname)])
-    return [FSDPParam(fqn, owners, p, info) for fqn, p, owners in by_id.values()]
+    return [
+        FSDPParam(fqn, owners, p, info, _shard_dim(placement_fn, p, fqn, info, name))
+        for fqn, p, owners in by_id.values()
+    ]
+
+
+def _shard_dim(
+    fn: Callable[[nn.Parameter], Any] | None, p: nn.Parameter, fqn: str, info: MeshInfo, name: str
+) -> int:
+    if fn is None or p.dim() == 0:
+        return 0
+    placement = fn(p)
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise TypeError(
+            f"fully_shard({name}): shard_placement_fn returned {placement!r} for {fqn}; "
+            "return a Shard(dim) or None"
+        )
+    d = placement.dim + p.dim() if placement.dim < 0 else placement.dim
+    if not 0 <= d < p.dim():
+        raise ValueError(
+            f"fully_shard({name}): Shard({placement.dim}) is out of range for {fqn} of shape "
+            f"{tuple(p.shape)}"
+        )
+    if d != 0 and p.shape[d] % info.shard_size:
+        raise ValueError(
+            f"fully_shard({name}): {fqn} has size {p.shape[d]} on dim {d}, not divisible by "
+            f"the shard world size {info.shard_size}; sharding on a dim other than 0 must be "
+            "even (shard it on dim 0 instead, or pad the parameter)"
+        )
+    return d
 
 
 def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
@@ -328,7 +378,9 @@ class FSDPModule:
         if state.group is not None:
             state.group.reshard()
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
         """Whether backward reduces gradients. ``False`` accumulates unsharded
         gradients locally (no communication) until a backward with ``True``
         reduces their sum: gradient accumulation without communication (FSDP1's
@@ -350,14 +402,17 @@ class FSDPModule:
         or ``False`` for evaluation)."""
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(
-                f"reshard_after_forward should be a bool, got {type(reshard_after_forward).__name__}"
+                "reshard_after_forward should be a bool, got "
+                f"{type(reshard_after_forward).__name__}"
             )
         for st in self._fsdp_modules(recurse):
             st.auto_reshard = False
             if st.group is not None:
                 st.group.set_post_forward(reshard_after_forward)
 
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
         """Whether backward frees the unsharded parameters; ``False`` keeps them
         for the next forward (more memory, no all-gather), e.g. between
         gradient-accumulation microbatches."""
@@ -391,7 +446,8 @@ class FSDPModule:
         for m in modules:
             if not isinstance(m, FSDPModule):
                 raise ValueError(
-                    f"prefetch lists take FSDP modules (passed to fully_shard), got {type(m).__name__}"
+                    "prefetch lists take FSDP modules (passed to fully_shard), got "
+                    f"{type(m).__name__}"
                 )
             g = m._fsdp_state().group
             if g is not None:
@@ -399,6 +455,116 @@ class FSDPModule:
         state = self._fsdp_state()
         if state.group is not None:
             setattr(state.group, attr, groups)
+
+    def _groups(self, recurse: bool = False) -> list[ParamGroup]:
+        return [st.group for st in self._fsdp_modules(recurse) if st.group is not None]
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """Reduce zeros for parameters that got no gradient this backward, so that
+        ranks using different parameters (mixture of experts, multi-modal
+        branches) still issue matching reduce-scatters (DDP's
+        ``find_unused_parameters``). Those parameters then get a gradient."""
+        for g in self._groups(recurse):
+            g.reduce_unused = bool(reduce_scatter_unused_params)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by ``factor`` instead of the data-parallel
+        world size (e.g. ``1.0`` for a summed loss). Not recursive."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise ValueError(f"gradient divide factor must be a positive number, got {factor!r}")
+        for g in self._groups():
+            g.divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated alias of :meth:`set_gradient_divide_factor`."""
+        warnings.warn(
+            "set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
+            FutureWarning,
+            stacklevel=2,
+        )
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Reduce with ``ReduceOp.SUM`` only and divide locally afterwards (for
+        backends or custom collectives without ``AVG``). Not recursive."""
+        for g in self._groups():
+            g.force_sum = bool(enable)
+
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: Any = None
+    ) -> None:
+        """Call ``hook(output)`` on each flat reduced gradient before it lands:
+        after the reduce-scatter for FSDP, after the all-reduce for HSDP. Use it
+        to reduce across a dimension fsdp2 does not manage. ``stream`` (CUDA) is
+        the stream to run the hook on; not allowed with HSDP. Not recursive."""
+        if not callable(hook):
+            raise TypeError(f"all-reduce hook must be callable, got {type(hook).__name__}")
+        for g in self._groups():
+            if stream is not None and g.info.replicate_group is not None:
+                raise ValueError("set_all_reduce_hook(stream=...) cannot be used with HSDP")
+            g.all_reduce_hook = hook if stream is None else _on_stream(hook, stream)
+
+    def set_custom_all_gather(self, comm: AllGather) -> None:
+        """Replace this module's all-gather by ``comm`` (which also allocates its
+        output buffer). Not recursive."""
+        if not isinstance(comm, AllGather):
+            raise TypeError(
+                f"set_custom_all_gather expects an AllGather, got {type(comm).__name__}"
+            )
+        for g in self._groups():
+            g.ag_comm = comm
+
+    def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
+        """Replace this module's reduce-scatter by ``comm`` (which also allocates
+        its input and output buffers). Not recursive."""
+        if not isinstance(comm, ReduceScatter):
+            raise TypeError(
+                f"set_custom_reduce_scatter expects a ReduceScatter, got {type(comm).__name__}"
+            )
+        for g in self._groups():
+            g.rs_comm = comm
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """How many gradient reductions may be in flight before the oldest is
+        waited (default 1). More overlaps slow reductions with backward compute
+        at the cost of one group's gradient memory each."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
+            )
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be >= 1, got {max_input_buffers}")
+        for g in self._groups(recurse):
+            g.max_inflight = max_input_buffers
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """Order the next forward's first all-gathers after ``event`` (recorded
+        after the optimizer step). Used once, then dropped; on CPU a no-op."""
+        state = self._fsdp_state()
+        state.post_optim_event = event
+
+    def reset_iter_state(self) -> None:
+        """Recover after an exception in forward or backward: wait for and drop
+        in-flight collectives (the failed step's gradient reductions are lost,
+        including accumulated no-sync gradients), reshard everything and clear
+        the step's bookkeeping. Call it on the root module.
+
+        Raises:
+            RuntimeError: called on a module that is not the root.
+        """
+        state = self._fsdp_state()
+        if state.ctx is not None and not state.is_root:
+            raise RuntimeError(
+                "reset_iter_state must be called on the root FSDP module, not "
+                f"{type(self).__name__}"
+            )
+        if state.ctx is None:
+            return
+        state.ctx.reset()
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # Convert the sharded parameters, never the transient unsharded ones.
@@ -429,3 +595,27 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return state._post_forward(module, args, out)
 
     setattr(module, method_name, wrapped)
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Make several FSDP roots (e.g. pipeline-parallel stages) share
+    communication resources. fsdp2 owns no streams or buffers per root (c10d
+    runs collectives on the process group's streams), so this only validates.
+
+    Raises:
+        ValueError: an element is not an :class:`FSDPModule`.
+    """
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"share_comm_ctx expects FSDP modules, got {type(m).__name__}")
+
+
+def _on_stream(hook: Callable[[torch.Tensor], None], stream: Any) -> Callable[[torch.Tensor], None]:
+    def run(output: torch.Tensor) -> None:
+        current = torch.accelerator.current_stream(output.device)
+        stream.wait_stream(current)
+        with torch.get_device_module(output.device.type).stream(stream):
+            hook(output)
+        current.wait_stream(stream)
+
+    return run
