@@ -1,15 +1,32 @@
 """fsdp2: fully sharded data parallel training for PyTorch, API-compatible
 with ``torch.distributed.fsdp.fully_shard``."""
 
-from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .api import (
+    AllGather,
+    Comm,
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ReduceScatter,
+)
+from .fully_shard import (
+    FSDPModule,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
 
 __all__ = [
+    "AllGather",
     "CPUOffloadPolicy",
+    "Comm",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "ReduceScatter",
     "UnshardHandle",
     "fully_shard",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
 ]
