@@ -238,6 +238,10 @@ class FSDPState:
     def _register_post_backward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        assert self.group is not None
+        if args and not kwargs and all(type(a) is torch.Tensor and a.requires_grad for a in args):
+            self.group.post_backward_pending += 1  # the common case: (x,) needing grad
+            return _PostBackward.apply(self, *args), kwargs
         flat, spec = tree_flatten((args, kwargs))
         idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not idx:
@@ -245,7 +249,6 @@ class FSDPState:
         outs = _PostBackward.apply(self, *(flat[i] for i in idx))
         for i, t in zip(idx, outs, strict=True):
             flat[i] = t
-        assert self.group is not None
         self.group.post_backward_pending += 1
         return tree_unflatten(flat, spec)
 
