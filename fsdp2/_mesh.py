@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -90,24 +89,20 @@ def post_forward_group(info: MeshInfo, reshard_size: int) -> tuple[dist.ProcessG
     (for ``reshard_after_forward=int``), and this rank's index in it.
 
     Creating groups is collective: every rank creates every block's group in
-    the same order, so all ranks must call this with the same arguments.
+    the same order, so all ranks must call this with the same arguments. The
+    groups are cached on the mesh object, so they live and die with it.
     """
-    all_ranks = tuple(tuple(row) for row in info.mesh.mesh.reshape(-1, info.shard_size).tolist())
-    groups = _block_groups(all_ranks, reshard_size)
+    cache: dict[int, list[tuple[tuple[int, ...], dist.ProcessGroup]]]
+    cache = info.mesh.__dict__.setdefault("_fsdp2_block_groups", {})
+    if reshard_size not in cache:
+        rows = info.mesh.mesh.reshape(-1, info.shard_size).tolist()
+        cache[reshard_size] = [
+            (tuple(row[i : i + reshard_size]), dist.new_group(row[i : i + reshard_size]))
+            for row in rows
+            for i in range(0, len(row), reshard_size)
+        ]
     rank = dist.get_rank()
-    for ranks, group in groups:
+    for ranks, group in cache[reshard_size]:
         if rank in ranks:
             return group, ranks.index(rank)
     raise AssertionError(f"rank {rank} is not in mesh {info.mesh}")
-
-
-@functools.cache
-def _block_groups(
-    shard_rows: tuple[tuple[int, ...], ...], block: int
-) -> list[tuple[tuple[int, ...], dist.ProcessGroup]]:
-    out = []
-    for row in shard_rows:
-        for start in range(0, len(row), block):
-            ranks = row[start : start + block]
-            out.append((ranks, dist.new_group(list(ranks))))
-    return out

@@ -1,0 +1,238 @@
+"""Small deterministic models and training helpers shared by the distributed tests.
+
+Both models keep their shardable blocks in ``self.layers`` (an ``nn.ModuleList``) so a test
+shards them the usual way (``shard_model``: every block, then the root). Sizes are uneven on
+purpose: with 2 or 4 ranks some dim-0 shards are padded and some ranks hold no rows at all
+(``MLPStack``'s last ``Linear(3, 1)``, the vocabulary of 37 rows).
+
+Build every copy of a model under the same seed (``build``) and feed every engine the same
+global batch (``mlp_batch`` / ``transformer_batch``); a rank trains on its slice of it
+(``rank_slice``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = [
+    "MLPBlock",
+    "MLPStack",
+    "TinyTransformer",
+    "TransformerBlock",
+    "build",
+    "full_grads",
+    "full_params",
+    "local_loss",
+    "make_batch",
+    "make_optimizer",
+    "mean_over_ranks",
+    "rank_slice",
+    "shard_model",
+]
+
+
+class MLPBlock(nn.Module):
+    """``act(lin(x))``; the inner ``lin`` is a plain submodule tests can hook."""
+
+    def __init__(self, d_in: int, d_out: int, relu: bool = True) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d_in, d_out)
+        self.relu = relu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return F.relu(y) if self.relu else y
+
+
+class MLPStack(nn.Module):
+    """A stack of ``Linear`` blocks over ``dims`` (ReLU after all but the last block).
+
+    Args:
+        dims: feature sizes, ``dims[i] -> dims[i + 1]`` per block.
+        head_dim: if given, the root itself holds a ``Linear(dims[-1], head_dim)`` (``head``),
+            so the root's ``fully_shard`` group has parameters; if ``None`` the root holds none.
+    """
+
+    def __init__(self, dims: Sequence[int] = (7, 5, 3, 1), head_dim: int | None = None) -> None:
+        super().__init__()
+        n = len(dims) - 1
+        self.layers = nn.ModuleList(
+            MLPBlock(dims[i], dims[i + 1], relu=i < n - 1) for i in range(n)
+        )
+        self.head = nn.Linear(dims[-1], head_dim) if head_dim is not None else None
+        self.in_dim = dims[0]
+        self.out_dim = dims[-1] if head_dim is None else head_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x) if self.head is not None else x
+
+
+class _Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).unbind(2)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (b, heads, t, head_dim)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: RMSNorm + causal attention, LayerNorm + MLP (hidden 40: uneven)."""
+
+    def __init__(self, dim: int, n_heads: int, hidden: int = 40) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(dim)
+        self.attn = _Attention(dim, n_heads)
+        self.mlp_norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.fc2(F.gelu(self.fc1(self.mlp_norm(x))))
+
+
+class TinyTransformer(nn.Module):
+    """Token + learned position embeddings, ``n_layers`` blocks, final norm, output head.
+
+    With ``tied=True`` the head's weight *is* the token embedding's (one parameter,
+    registered on two modules, both managed by the root's ``fully_shard``).
+    ``forward(tokens)`` takes ``(batch, seq)`` int64 tokens, ``seq <= max_seq``, and returns
+    ``(batch, seq, vocab)`` logits.
+    """
+
+    def __init__(
+        self,
+        vocab: int = 37,
+        dim: int = 24,
+        n_heads: int = 2,
+        n_layers: int = 2,
+        tied: bool = True,
+        max_seq: int = 16,
+    ) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.tok_emb = nn.Embedding(vocab, dim)
+        self.pos_emb = nn.Embedding(max_seq, dim)
+        self.layers = nn.ModuleList(TransformerBlock(dim, n_heads) for _ in range(n_layers))
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        if tied:
+            self.head.weight = self.tok_emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.size(1), device=tokens.device)
+        x = self.tok_emb(tokens) + self.pos_emb(pos)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# Building, data, training helpers
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "mlp": lambda: MLPStack((7, 5, 3, 1)),
+    "mlp_head": lambda: MLPStack((7, 5, 3, 1), head_dim=2),
+    "transformer": lambda: TinyTransformer(),
+}
+
+
+def build(name: str, seed: int = 0) -> nn.Module:
+    """A fresh model of kind ``name`` (a key of ``MODELS``), initialized under ``seed``."""
+    torch.manual_seed(seed)
+    return MODELS[name]()
+
+
+def shard_model(
+    model: nn.Module,
+    fully_shard_fn: Callable[..., Any],
+    mesh: Any,
+    *,
+    root_kwargs: dict[str, Any] | None = None,
+    **kw: Any,
+) -> nn.Module:
+    """Apply ``fully_shard_fn(block, mesh=mesh, **kw)`` to every block of ``model.layers``,
+    then to ``model`` itself (with ``root_kwargs`` instead of ``kw`` when given).
+
+    Works for ``fsdp2.fully_shard`` and ``torch.distributed.fsdp.fully_shard`` alike.
+    """
+    for block in model.layers:
+        fully_shard_fn(block, mesh=mesh, **kw)
+    fully_shard_fn(model, mesh=mesh, **(kw if root_kwargs is None else root_kwargs))
+    return model
+
+
+def make_batch(name: str, step: int, global_batch: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global ``(inputs, targets)`` of training step ``step`` for model kind ``name``;
+    identical on every rank (seeded by ``step`` only)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    if name == "transformer":
+        tokens = torch.randint(0, 37, (global_batch, 9), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
+    model_in, model_out = (7, 2) if name == "mlp_head" else (7, 1)
+    x = torch.randn(global_batch, model_in, generator=g)
+    y = torch.randn(global_batch, model_out, generator=g)
+    return x, y
+
+
+def rank_slice(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s equal share (along dim 0) of a global batch."""
+    assert t.size(0) % world_size == 0, f"global batch {t.size(0)} not divisible by {world_size}"
+    n = t.size(0) // world_size
+    return t[rank * n : (rank + 1) * n]
+
+
+def local_loss(model: nn.Module, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean loss over the batch given (so averaging equal-size ranks' gradients equals the
+    gradient of the global batch's mean loss)."""
+    out = model(x)
+    if name == "transformer":
+        return F.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1))
+    return F.mse_loss(out, y)
+
+
+def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+    """``adamw`` (with weight decay) or ``sgd`` (with momentum), fixed hyperparameters."""
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    raise ValueError(f"unknown optimizer {kind!r}")
+
+
+def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """The average of ``t`` over the default group (gloo has no ``ReduceOp.AVG`` all-reduce)."""
+    t = t.detach().clone()
+    dist.all_reduce(t)
+    return t / dist.get_world_size()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    full = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return full.detach().clone()
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``name -> full (unsharded) parameter`` for every parameter; collective for DTensors."""
+    return {n: _full(p) for n, p in model.named_parameters()}
+
+
+def full_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    """``name -> full gradient`` (``None`` where a parameter has none); collective for
+    DTensor gradients, so every rank must call it."""
+    return {n: None if p.grad is None else _full(p.grad) for n, p in model.named_parameters()}
