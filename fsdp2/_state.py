@@ -223,7 +223,7 @@ class FSDPState:
                 for nxt in g.fwd_prefetch if g.fwd_prefetch is not None else g.fwd_next:
                     nxt.unshard()
                 g.wait_for_unshard()
-                if g._grad_params and torch.is_grad_enabled():
+                if torch.is_grad_enabled():
                     args, kwargs = self._register_post_backward(args, kwargs)
         mp = self.mp_policy
         if mp.param_dtype is not None and (mp.cast_forward_inputs or self.is_root):
@@ -310,7 +310,9 @@ class FSDPState:
             return
         g.unshard()
         for nxt in g.bwd_prefetch if g.bwd_prefetch is not None else g.bwd_next:
-            if not nxt.backward_done:
+            # A group with no trainable params whose inputs needed no grad has
+            # no backward at all: do not gather it.
+            if not nxt.backward_done and (nxt._grad_params or nxt.post_backward_pending):
                 nxt.unshard()
         g.wait_for_unshard()
 
