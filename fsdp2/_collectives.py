@@ -86,9 +86,9 @@ def pack_for_reduce_scatter(
     row ``r`` of the result is what rank ``r`` receives after the reduce-scatter."""
     numel = sum(-(-g.size(0) // world_size) * (g.numel() // max(g.size(0), 1)) for g in grads)
     out = _empty(world_size * numel, grads[0], dtype, comm).view(world_size, numel)
-    if any(g.dtype != dtype for g in grads):
-        grads = [g.to(dtype) for g in grads]
-    torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=out)
+    grads = [g if g.dtype == dtype else g.to(dtype) for g in grads if g.numel()]
+    if grads:  # empty parameters take no room (and _chunk_cat rejects them)
+        torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=out)
     return out
 
 
