@@ -72,8 +72,12 @@ def worker(rank: int, args: argparse.Namespace) -> None:
         print(f"# {' '.join(sys.argv)}  ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cpus)")
         print(f"{'impl':8} {'step ms':>9} {'per layer us':>13} {'init ms':>9}")
         for i in impls:
-            print(f"{i:8} {med[i]*1e3:9.2f} {med[i]/args.layers*1e6:13.1f} {ini[i]*1e3:9.1f}")
-        print(f"ratio fsdp2/torch: step {med['fsdp2']/med['torch']:.2f}x, init {ini['fsdp2']/ini['torch']:.2f}x")
+            print(
+                f"{i:8} {med[i] * 1e3:9.2f} {med[i] / args.layers * 1e6:13.1f} {ini[i] * 1e3:9.1f}"
+            )
+        step_ratio = med["fsdp2"] / med["torch"]
+        init_ratio = ini["fsdp2"] / ini["torch"]
+        print(f"ratio fsdp2/torch: step {step_ratio:.2f}x, init {init_ratio:.2f}x")
     dist.destroy_process_group()
 
 
