@@ -22,7 +22,7 @@ import torch.nn as nn
 from . import _collectives as C
 from ._mesh import MeshInfo, post_forward_group
 from ._param import FSDPParam
-from .api import AllGather, MixedPrecisionPolicy, OffloadPolicy, ReduceScatter
+from .api import AllGather, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ReduceScatter
 
 if TYPE_CHECKING:
     from ._state import StepContext
@@ -115,8 +115,12 @@ class ParamGroup:
         originals = [p.sharded for p in self.params]
         is_meta = any(t.is_meta for t in originals)
         flat_device = torch.device("meta") if is_meta else device
+        offload = isinstance(self.offload_policy, CPUOffloadPolicy)
+        shard_device = torch.device("cpu") if offload and not is_meta else flat_device
         # Padding must be zeros: it is all-gathered and reduced like real data.
-        flat = torch.zeros(offset, dtype=self.orig_dtype, device=flat_device)
+        flat = torch.zeros(offset, dtype=self.orig_dtype, device=shard_device)
+        if offload and self.offload_policy.pin_memory and device.type != "cpu":
+            flat = flat.pin_memory()
         with torch.no_grad():
             for p, t in zip(self.params, originals, strict=True):
                 if not is_meta and p.local_numel:
