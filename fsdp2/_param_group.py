@@ -99,8 +99,8 @@ class ParamGroup:
         self.fwd_prefetch: list[ParamGroup] | None = None  # explicit lists override
         self.bwd_prefetch: list[ParamGroup] | None = None
         self.ctx: StepContext | None = None
-        self._init_storage()
         self._small: _SmallShard | None = None
+        self._init_storage()
         self.set_post_forward(reshard_after_forward)
 
     # ---- init -----------------------------------------------------------------
@@ -111,26 +111,44 @@ class ParamGroup:
             p.offset = offset
             offset += p.padded_numel
         self.shard_numel = offset
-        device = self.device
         originals = [p.sharded for p in self.params]
-        is_meta = any(t.is_meta for t in originals)
-        flat_device = torch.device("meta") if is_meta else device
-        offload = isinstance(self.offload_policy, CPUOffloadPolicy)
-        shard_device = torch.device("cpu") if offload and not is_meta else flat_device
-        # Padding must be zeros: it is all-gathered and reduced like real data.
-        flat = torch.zeros(offset, dtype=self.orig_dtype, device=shard_device)
-        if offload and self.offload_policy.pin_memory and device.type != "cpu":
-            flat = flat.pin_memory()
+        flat = self._new_sharded_flat(
+            self.orig_dtype, torch.device("meta") if originals[0].is_meta else self.device
+        )
         with torch.no_grad():
             for p, t in zip(self.params, originals, strict=True):
-                if not is_meta and p.local_numel:
+                if not flat.is_meta and p.local_numel:
                     p.local_view(flat).copy_(p.local_chunk(t.detach()))
         self.sharded_flat = flat
         for p in self.params:
             p.make_sharded(flat, self.info)
-        # Unsharded flat buffer, parameter-major (see [Note: flat storage]).
+        for p, t in zip(self.params, originals, strict=True):
+            p.unsharded = nn.Parameter(t.detach(), requires_grad=p.requires_grad)
+        self._init_unsharded(flat.device if flat.is_meta else self.device)
+        self._sharded_regs = [
+            (m._parameters, n, p.sharded) for p in self.params for m, n in p.owners
+        ]
+        self._unsharded_regs = [
+            (m._parameters, n, p.unsharded) for p in self.params for m, n in p.owners
+        ]
+        self._grad_params = [p for p in self.params if p.requires_grad]
+        self.register_sharded()
+
+    def _new_sharded_flat(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        offload = isinstance(self.offload_policy, CPUOffloadPolicy)
+        if offload and not device.type == "meta":
+            device = torch.device("cpu")
+        # Padding must be zeros: it is all-gathered and reduced like real data.
+        flat = torch.zeros(self.shard_numel, dtype=dtype, device=device)
+        if offload and self.offload_policy.pin_memory and self.device.type != "cpu":
+            flat = flat.pin_memory()
+        return flat
+
+    def _init_unsharded(self, device: torch.device) -> None:
+        """(Re)build the flat unsharded buffer and point the unsharded params
+        (same objects every time) at their views; see [Note: flat storage]."""
         w = self.world
-        un = torch.empty(w * offset, dtype=self.param_dtype, device=flat_device)
+        un = torch.empty(w * self.shard_numel, dtype=self.param_dtype, device=device)
         self.unsharded_flat = un
         data = un.data  # writes through .data do not bump the params' version counter
         self.split_sizes = [p.padded_numel for p in self.params]
@@ -144,21 +162,49 @@ class ParamGroup:
             for i, p in enumerate(self.params)
             if p.shard_dim != 0
         ]
-        for p, t in zip(self.params, originals, strict=True):
-            numel = 1 if p.is_scalar else t.numel()
-            view = un.narrow(0, w * p.offset, numel).view(p.shape)
-            p.unsharded = nn.Parameter(view, requires_grad=p.requires_grad)
+        with torch.no_grad():
+            for p in self.params:
+                numel = 1 if p.is_scalar else p.shape.numel()
+                view = un.narrow(0, w * p.offset, numel).view(p.shape)
+                old = p.unsharded
+                if old.device == view.device and old.dtype == view.dtype:
+                    old.data = view
+                else:  # e.g. meta -> cpu: .data cannot change the tensor type
+                    torch.utils.swap_tensors(old, nn.Parameter(view, old.requires_grad))
         _free(un)
-        self.has_scalars = any(p.is_scalar for p in self.params)
-        self._sharded_regs = [
-            (m._parameters, n, p.sharded) for p in self.params for m, n in p.owners
-        ]
-        self._unsharded_regs = [
-            (m._parameters, n, p.unsharded) for p in self.params for m, n in p.owners
-        ]
-        self._unsharded = [p.unsharded for p in self.params]
-        self._grad_params = [p for p in self.params if p.requires_grad]
-        self.register_sharded()
+        if self._small is not None:
+            self._small = _SmallShard(self, self._small.size)
+
+    def resync_after_apply(self) -> None:
+        """After ``nn.Module._apply`` (``to_empty``, ``.to(device or dtype)``)
+        swapped the sharded params' local tensors, move them back into a flat
+        buffer (of the new device/dtype) so [Note: flat storage] holds again.
+        Parameter objects keep their identity."""
+        locals_ = [p.sharded._local_tensor for p in self.params]
+        flat = self.sharded_flat
+        ptr = flat.untyped_storage().data_ptr()
+        if all(
+            t.dtype == flat.dtype
+            and t.device == flat.device
+            and (t.is_meta or t.untyped_storage().data_ptr() == ptr)
+            for t in locals_
+        ):
+            return
+        dtype, device = locals_[0].dtype, locals_[0].device
+        if any(t.dtype != dtype for t in locals_):
+            raise ValueError(f"fully_shard({self.name}): conversion left mixed dtypes")
+        new = self._new_sharded_flat(dtype, device)
+        with torch.no_grad():
+            for p, t in zip(self.params, locals_, strict=True):
+                view = p.local_view(new)
+                if not new.is_meta and p.local_numel:
+                    view.copy_(t)
+                p.sharded._local_tensor = view
+                p.spec = p.sharded._spec
+        self.sharded_flat = new
+        self.orig_dtype = dtype
+        self.param_dtype = self.mp_policy.param_dtype or dtype
+        self._init_unsharded(torch.device("meta") if new.is_meta else self.device)
 
     def set_post_forward(self, value: bool | int) -> None:
         """Apply a normalized ``reshard_after_forward`` (a bool, or an int strictly

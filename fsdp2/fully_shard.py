@@ -567,9 +567,14 @@ class FSDPModule:
         state.ctx.reset()
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
-        # Convert the sharded parameters, never the transient unsharded ones.
+        # Convert the sharded parameters, never the transient unsharded ones,
+        # then move the converted shards back into the group's flat buffer.
         self.reshard()
-        return super()._apply(*args, **kwargs)  # type: ignore[misc]
+        out = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        for st in self._fsdp_modules(recurse=True):
+            if st.group is not None:
+                st.group.resync_after_apply()
+        return out
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

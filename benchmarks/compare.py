@@ -1,0 +1,176 @@
+"""Step time, tokens/s and peak memory per rank: fsdp2 vs torch's FSDP2, FSDP1,
+DDP and an unsharded single-rank compute floor, on the Llama example model.
+
+Every implementation trains the same model (same init, same data) in the same
+process group; steps are interleaved (one step of each in turn) so machine
+noise hits all alike. Prints a table with ratios to torch's FSDP2 and the loss
+at the last step of each (they must agree).
+
+    python benchmarks/compare.py --world-size 2 --dtype fp32 --reshard true
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _memory import peak_step_bytes  # noqa: E402
+
+from fsdp2.models import Llama, LlamaConfig, TransformerBlock  # noqa: E402
+
+IMPLS = ("fsdp2", "torch_fsdp2", "torch_fsdp1", "ddp", "single")
+
+
+def build(cfg: LlamaConfig) -> nn.Module:
+    torch.manual_seed(0)
+    return Llama(cfg)
+
+
+def wrap(impl: str, model: nn.Module, mesh, args) -> nn.Module:  # type: ignore[no-untyped-def]
+    bf16 = args.dtype == "bf16"
+    if impl in ("fsdp2", "torch_fsdp2"):
+        if impl == "fsdp2":
+            from fsdp2 import MixedPrecisionPolicy, fully_shard
+        else:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp_policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if bf16 else None,
+            reduce_dtype=torch.float32 if bf16 else None,
+        )
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, reshard_after_forward=args.reshard, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        return model
+    if impl == "torch_fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        return FullyShardedDataParallel(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
+            sharding_strategy=ShardingStrategy.FULL_SHARD
+            if args.reshard
+            else ShardingStrategy.SHARD_GRAD_OP,
+            mixed_precision=MixedPrecision(torch.bfloat16, torch.float32) if bf16 else None,
+            use_orig_params=True,
+            device_id=torch.device("cpu") if mesh.device_type == "cpu" else None,
+        )
+    if impl == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    return model  # single: the unsharded compute floor, no communication
+
+
+def worker(rank: int, args: argparse.Namespace) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    dist.init_process_group("gloo", rank=rank, world_size=args.world_size)
+    torch.set_num_threads(args.threads)
+    mesh = init_device_mesh("cpu", (args.world_size,))
+    cfg = LlamaConfig(
+        dim=args.dim, n_layers=args.layers, n_heads=args.heads, max_seq_len=args.seq
+    )
+    impls = args.impls.split(",")
+    models, optims = {}, {}
+    for impl in impls:
+        models[impl] = wrap(impl, build(cfg), mesh, args)
+        optims[impl] = torch.optim.AdamW(models[impl].parameters(), lr=1e-3, foreach=True)
+    gen = torch.Generator().manual_seed(1234)
+    total = args.steps + args.warmup
+    data = torch.randint(0, cfg.vocab_size, (total, args.world_size * args.batch, args.seq + 1), generator=gen)
+
+    def step(impl: str, i: int) -> float:
+        batch = data[i, rank * args.batch : (rank + 1) * args.batch]
+        model = models[impl]
+        use_autocast = args.dtype == "bf16" and impl in ("ddp", "single")
+        with torch.autocast("cpu", torch.bfloat16, enabled=use_autocast):
+            loss = model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        optims[impl].step()
+        optims[impl].zero_grad()
+        return loss.item()
+
+    times: dict[str, list[float]] = {i: [] for i in impls}
+    losses: dict[str, float] = {}
+    for i in range(total):
+        for impl in impls:
+            dist.barrier()
+            t0 = time.perf_counter()
+            losses[impl] = step(impl, i)
+            if i >= args.warmup:
+                times[impl].append(time.perf_counter() - t0)
+    peaks = {}
+    for impl in impls:
+        dist.barrier()
+        peaks[impl] = peak_step_bytes(
+            functools.partial(step, impl, total - 1), models[impl], optims[impl]
+        )
+    loss_t = torch.tensor([losses[i] for i in impls])
+    dist.all_reduce(loss_t)
+    loss_t /= args.world_size
+    peak_t = torch.tensor([peaks[i] for i in impls], dtype=torch.float64)
+    dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        report(args, impls, times, loss_t.tolist(), peak_t.tolist())
+    dist.destroy_process_group()
+
+
+def report(args, impls, times, losses, peaks) -> None:  # type: ignore[no-untyped-def]
+    tokens = args.world_size * args.batch * args.seq
+    med = {i: statistics.median(times[i]) for i in impls}
+    ref = "torch_fsdp2" if "torch_fsdp2" in impls else impls[0]
+    print(f"# python {' '.join(sys.argv)}")
+    print(
+        f"# {time.strftime('%Y-%m-%d %H:%M')}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cpus, torch {torch.__version__}, gloo, world {args.world_size}, "
+        f"{args.layers} layers dim {args.dim}, batch {args.batch}x{args.seq}/rank, {args.dtype}, "
+        f"reshard_after_forward={args.reshard}, {args.steps} steps (median)"
+    )
+    print(
+        f"| impl | step s | tokens/s | peak MiB/rank | step vs {ref} | mem vs {ref} | last loss |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    iref = impls.index(ref)
+    for k, i in enumerate(impls):
+        print(
+            f"| {i} | {med[i]:.3f} | {tokens / med[i]:,.0f} | {peaks[k] / 2**20:.0f} | "
+            f"{med[i] / med[ref]:.2f}x | {peaks[k] / peaks[iref]:.2f}x | {losses[k]:.5f} |"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--reshard", type=lambda s: s.lower() in ("1", "true", "yes"), default=True)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=8, help="sequences per rank")
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--port", type=int, default=29555)
+    args = ap.parse_args(argv)
+    mp.spawn(worker, args=(args,), nprocs=args.world_size)
+
+
+if __name__ == "__main__":
+    main()
