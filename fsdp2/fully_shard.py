@@ -17,6 +17,7 @@ from ._mesh import MeshInfo, default_mesh, mesh_info
 from ._param import FSDPParam
 from ._param_group import ParamGroup
 from ._state import FSDPState, state_of
+from ._state_dict import register_load_hooks
 from .api import AllGather, MixedPrecisionPolicy, OffloadPolicy, ReduceScatter
 
 __all__ = [
@@ -143,6 +144,7 @@ def fully_shard(
             reshard_after_forward=post_forward,
             name=name,
         )
+        register_load_hooks(group)
         for orig in originals:  # sharing one with a later group is an error
             setattr(orig, _OWNER_ATTR, name)
     _move_buffers(modules, info.device)
