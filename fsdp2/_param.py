@@ -23,7 +23,9 @@ import math
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._mesh import MeshInfo
 
@@ -63,6 +65,8 @@ class FSDPParam:
         "sharded",
         "unsharded",
         "spec",
+        "tp",
+        "global_shape",
     )
 
     def __init__(
@@ -75,8 +79,18 @@ class FSDPParam:
     ) -> None:
         self.fqn = fqn
         self.owners = owners
-        self.shape = param.shape
+        # [Note: tensor parallel] A parameter that is already a DTensor (e.g.
+        # from parallelize_module on a "tp" mesh) is sharded by FSDP through its
+        # TP-local tensor: ``shape`` is the local shape that FSDP gathers, the
+        # unsharded parameter is a DTensor on the TP mesh, and the sharded one a
+        # DTensor on the concatenated (dp..., tp...) mesh.
+        self.tp: TPLayout | None = None
+        self.global_shape = param.shape
         self.requires_grad = param.requires_grad
+        if isinstance(param, DTensor):
+            self.tp = TPLayout.of(param, info, fqn)
+            param = param._local_tensor  # type: ignore[assignment]
+        self.shape = param.shape
         # 0-dim parameters are replicated (see [Note: scalars] in _param_group.py).
         self.is_scalar = param.dim() == 0
         self.shard_dim = shard_dim
@@ -128,18 +142,90 @@ class FSDPParam:
     def make_sharded(self, flat: torch.Tensor, info: MeshInfo) -> nn.Parameter:
         local = self.local_view(flat)
         placements = info.placements(None if self.is_scalar else self.shard_dim)
+        mesh = info.mesh
+        if self.tp is not None:
+            mesh, placements = self.tp.sharded_layout(info, placements, self.shard_dim)
         dt = DTensor.from_local(
             local,
-            info.mesh,
+            mesh,
             placements,
             run_check=False,
-            shape=self.shape,
-            stride=torch.empty(self.shape, device="meta").stride(),
+            shape=self.global_shape,
+            stride=_contiguous_stride(self.global_shape),
         )
         self.sharded = nn.Parameter(dt, requires_grad=self.requires_grad)
         self.spec = self.sharded._spec  # reused for every gradient: see land_grads
         return self.sharded
 
+    def wrap_unsharded(self, view: torch.Tensor) -> torch.Tensor:
+        """The tensor the unsharded parameter wraps: ``view`` itself, or for TP
+        parameters a DTensor on the TP mesh around it."""
+        if self.tp is None:
+            return view
+        return DTensor.from_local(
+            view,
+            self.tp.mesh,
+            self.tp.placements,
+            run_check=False,
+            shape=self.global_shape,
+            stride=_contiguous_stride(self.global_shape),
+        )
+
     def grad_dtensor(self, local: torch.Tensor) -> DTensor:
         """A gradient for the sharded parameter, wrapping ``local`` (no checks, no copy)."""
         return DTensor(local, self.spec, requires_grad=False)
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    return torch.empty(shape, device="meta").stride()
+
+
+class TPLayout:
+    """Where a DTensor parameter lives before FSDP: its mesh and placements
+    (see [Note: tensor parallel])."""
+
+    __slots__ = ("mesh", "placements")
+
+    def __init__(self, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> None:
+        self.mesh = mesh
+        self.placements = placements
+
+    @classmethod
+    def of(cls, param: DTensor, info: MeshInfo, fqn: str) -> TPLayout:
+        tp_mesh = param.device_mesh
+        try:
+            DeviceMesh._concatenate([info.mesh, tp_mesh])
+        except Exception as e:  # noqa: BLE001 - any failure means the meshes do not compose
+            raise ValueError(
+                f"parameter {fqn} is a DTensor on mesh {tp_mesh}, which is not another "
+                f"dimension of the data-parallel mesh {info.mesh} (both must be slices of "
+                "one root mesh, e.g. mesh['dp'] and mesh['tp'])"
+            ) from e
+        if any(p.is_partial() for p in param.placements):
+            raise ValueError(f"parameter {fqn} has Partial placements {param.placements}")
+        return cls(tp_mesh, tuple(param.placements))
+
+    def sharded_layout(
+        self, info: MeshInfo, dp_placements: tuple[Placement, ...], shard_dim: int
+    ) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+        """The concatenated mesh and placements of the FSDP-sharded parameter.
+        When TP also shards ``shard_dim``, FSDP's shard of the TP-local tensor is
+        a strided shard of the global one."""
+        mesh = DeviceMesh._concatenate([info.mesh, self.mesh])
+        split = 1
+        for placement, size in zip(self.placements, self.mesh.shape, strict=True):
+            if isinstance(placement, Shard) and placement.dim == shard_dim:
+                split *= size
+        inner = dp_placements[-1]
+        if split > 1 and isinstance(inner, Shard):
+            inner = _StridedShard(shard_dim, split_factor=split)
+        return mesh, (*dp_placements[:-1], inner, *self.placements)
+
+    def to_local_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The TP-local gradient, redistributed to the parameter's placements
+        first if autograd left it otherwise (e.g. Partial)."""
+        if isinstance(grad, DTensor):
+            if tuple(grad.placements) != self.placements:
+                grad = grad.redistribute(self.mesh, self.placements)
+            return grad._local_tensor
+        return grad

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from . import _collectives as C
 from ._mesh import MeshInfo, post_forward_group
@@ -123,7 +124,7 @@ class ParamGroup:
         for p in self.params:
             p.make_sharded(flat, self.info)
         for p, t in zip(self.params, originals, strict=True):
-            p.unsharded = nn.Parameter(t.detach(), requires_grad=p.requires_grad)
+            p.unsharded = None if p.tp is not None else nn.Parameter(t.detach(), p.requires_grad)
         self._init_unsharded(flat.device if flat.is_meta else self.device)
         self._sharded_regs = [
             (m._parameters, n, p.sharded) for p in self.params for m, n in p.owners
@@ -167,7 +168,13 @@ class ParamGroup:
                 numel = 1 if p.is_scalar else p.shape.numel()
                 view = un.narrow(0, w * p.offset, numel).view(p.shape)
                 old = p.unsharded
-                if old.device == view.device and old.dtype == view.dtype:
+                if p.tp is not None:
+                    if isinstance(old, DTensor) and old.device == view.device:
+                        old._local_tensor = view
+                    else:
+                        new = nn.Parameter(p.wrap_unsharded(view), p.requires_grad)
+                        p.unsharded = new if old is None else _swap(old, new)
+                elif old.device == view.device and old.dtype == view.dtype:
                     old.data = view
                 else:  # e.g. meta -> cpu: .data cannot change the tensor type
                     torch.utils.swap_tensors(old, nn.Parameter(view, old.requires_grad))
@@ -340,6 +347,8 @@ class ParamGroup:
                 g = torch.zeros(p.shape, dtype=self.param_dtype, device=self.device)
             p.unsharded.grad = None
             params.append(p)
+            if p.tp is not None:
+                g = p.tp.to_local_grad(g)
             if p.is_scalar:
                 g = g.expand(self.world)
             elif p.shard_dim != 0:
@@ -485,6 +494,12 @@ class _SmallShard:
 
     def copy_out(self, output: torch.Tensor) -> None:
         C.copy_out(output, self.split_sizes, self.dsts)
+
+
+def _swap(old: nn.Parameter, new: nn.Parameter) -> nn.Parameter:
+    """Give ``old`` the contents of ``new`` (the object keeps its identity)."""
+    torch.utils.swap_tensors(old, new)
+    return old
 
 
 def _free(t: torch.Tensor) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ._param_group import ParamGroup
 
@@ -40,22 +40,20 @@ class _ShardFullTensors:
     def __call__(
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
     ) -> None:
-        info = self.group.info
         for name, p in self.entries:
             key = prefix + name
             value = state_dict.get(key)
             if (
                 not isinstance(value, torch.Tensor)
                 or isinstance(value, DTensor)
-                or value.shape != p.shape
+                or value.shape != p.global_shape
             ):
                 continue  # missing keys and shape errors are load_state_dict's to report
-            local = p.local_chunk(value.detach()).to(p.sharded.device).contiguous()
-            state_dict[key] = DTensor.from_local(
-                local,
-                info.mesh,
-                p.sharded.placements,
-                run_check=False,
-                shape=p.shape,
-                stride=p.sharded.stride(),
+            sharded = p.sharded
+            # No communication: every rank holds the full value and keeps its piece.
+            state_dict[key] = distribute_tensor(
+                value.detach().to(sharded.device),
+                sharded.device_mesh,
+                sharded.placements,
+                src_data_rank=None,
             )

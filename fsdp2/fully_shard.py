@@ -11,7 +11,7 @@ from typing import Any, NoReturn, overload
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 
 from ._mesh import MeshInfo, default_mesh, mesh_info
 from ._param import FSDPParam
@@ -250,11 +250,6 @@ def _collect_params(
             if id(p) in by_id:
                 by_id[id(p)][2].append((m, pname))
                 continue
-            if isinstance(p, DTensor):
-                raise ValueError(
-                    f"fully_shard({name}): parameter {fqn} is already a DTensor (placements "
-                    f"{p.placements}); composing with tensor parallelism is not supported yet"
-                )
             owner = p.__dict__.get(_OWNER_ATTR)
             if owner is not None:
                 raise ValueError(

@@ -317,7 +317,7 @@ def _case_dtensor_param(mesh, ws: int) -> _Case:
         lambda: fully_shard(m, mesh=mesh),
         m,
         ValueError,
-        r"parameter weight is already a DTensor",
+        r"parameter weight is a DTensor on mesh .* not another dimension",
     )
 
 
