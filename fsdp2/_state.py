@@ -306,8 +306,11 @@ class FSDPState:
         if not ctx.in_backward:
             ctx.begin_backward()
         g = self.group
-        if g is None or g.backward_done or not g.unshard_in_backward:
+        if g is None or not g.unshard_in_backward:
             return
+        # Even after this group's post-backward (e.g. an earlier call whose
+        # inputs needed no grad registered no post-backward node): gather again;
+        # the final callback reduces what arrives afterwards.
         g.unshard()
         for nxt in g.bwd_prefetch if g.bwd_prefetch is not None else g.bwd_next:
             # A group with no trainable params whose inputs needed no grad has

@@ -425,6 +425,47 @@ def test_module_called_twice(world_size: int) -> None:
     _run(world_size, _weight_reuse)
 
 
+class _SquaredWeight(nn.Module):
+    """``x @ w**2``: the weight's own gradient needs the weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(IN, IN) / IN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ (self.w * self.w)
+
+
+class _ReuseWithoutGradInput(nn.Module):
+    """``a`` runs twice: first on the raw input (no grad needed, so no post-backward
+    node), then on an activation. Backward must gather ``a`` again after the second
+    call's post-backward resharded it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = _SquaredWeight()
+        self.b = nn.Linear(IN, IN)
+        self.out = nn.Linear(IN, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.a(self.b(self.a(x))))
+
+
+def _reuse_without_grad_input() -> None:
+    def shard(m: nn.Module) -> None:
+        mesh = _mesh()
+        fully_shard(m.a, mesh=mesh)
+        fully_shard(m.b, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+
+    _compare_training(_ReuseWithoutGradInput, shard)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_module_called_twice_first_input_without_grad(world_size: int) -> None:
+    _run(world_size, _reuse_without_grad_input)
+
+
 def _set_checkpoint(use_reentrant: bool) -> Callable[[nn.Module, int], None]:
     def set_flag(model: nn.Module, step: int) -> None:
         model.checkpoint = use_reentrant
