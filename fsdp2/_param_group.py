@@ -379,8 +379,16 @@ class ParamGroup:
     def land_grads(self, params: list[FSDPParam], output: torch.Tensor) -> None:
         """Turn a rank's reduce-scatter output into the sharded params' ``.grad``
         (views of ``output``), accumulating into existing gradients."""
-        if output.dtype != self.orig_dtype or output.device != self.sharded_flat.device:
-            output = output.to(device=self.sharded_flat.device, dtype=self.orig_dtype)
+        flat = self.sharded_flat
+        if output.device != flat.device:  # CPU offload: device-to-host
+            host = torch.empty(output.shape, dtype=self.orig_dtype, pin_memory=flat.is_pinned())
+            host.copy_(output, non_blocking=flat.is_pinned())
+            output = host
+            if flat.is_pinned():
+                assert self.ctx is not None
+                self.ctx.pending_d2h = True  # synchronized by the final callback
+        elif output.dtype != self.orig_dtype:
+            output = output.to(self.orig_dtype)
         offset = output.storage_offset()
         acc_dst, acc_src = [], []
         for p in params:

@@ -48,6 +48,7 @@ class StepContext:
         self.fwd_order: list[ParamGroup] = []
         self.post_fwd_order: list[ParamGroup] = []
         self.reductions: deque[_Reduction] = deque()
+        self.pending_d2h = False
 
     # ---- reductions ------------------------------------------------------------
 
@@ -112,9 +113,12 @@ class StepContext:
     def finish_backward(self) -> None:
         """The root's final callback: see [Note: one step]."""
         for g in self.groups:
-            if g.reduce_grads and g.has_unreduced_grads():
+            if g.has_unreduced_grads():  # reduce, or (no sync) accumulate in reduce_dtype
                 g.post_backward()
         self.drain_reductions()
+        if self.pending_d2h:  # offloaded grads copied asynchronously into pinned memory
+            torch.accelerator.synchronize()
+            self.pending_d2h = False
         for g in self.groups:
             if g.reshard_after_backward:
                 g.reshard()
