@@ -25,8 +25,12 @@ $(STAMP): pyproject.toml
 test: venv
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-train: venv
+train: $(VENV)/.installed-train
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node 2 examples/train.py $(TRAIN_ARGS)
+
+$(VENV)/.installed-train: $(STAMP)
+	$(BIN)/python -m pip install -e '.[test,train]'
+	touch $@
 
 $(VENV)/.installed-dev: $(STAMP)
 	$(BIN)/python -m pip install -e '.[test,dev]'
