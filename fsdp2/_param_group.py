@@ -94,6 +94,7 @@ class ParamGroup:
         self.post_forward: bool | int = reshard_after_forward
         # per-step bookkeeping, reset by reset_step()
         self.post_backward_pending = 0  # registered post-backward nodes still to fire
+        self.untracked_calls = 0  # forward calls whose inputs needed no grad (no node)
         self.backward_done = False
         self.fwd_next: list[ParamGroup] = []  # implicit forward prefetch (last step's order)
         self.bwd_next: list[ParamGroup] = []  # implicit backward prefetch
@@ -246,6 +247,11 @@ class ParamGroup:
             flat = flat.to(self.param_dtype)
         self._pending_ag = C.all_gather(flat, self.info.shard_group, self.world, self.ag_comm)
         self._pending_ag_small = False
+
+    def wait_if_pending(self) -> None:
+        """Finish an all-gather already issued; never starts one."""
+        if self._pending_ag is not None:
+            self.wait_for_unshard()
 
     def wait_for_unshard(self) -> None:
         """Make the unsharded params valid and registered, waiting on (or issuing)
@@ -408,6 +414,7 @@ class ParamGroup:
 
     def reset_step(self) -> None:
         self.post_backward_pending = 0
+        self.untracked_calls = 0
         self.backward_done = False
 
     def discard_grads(self) -> None:

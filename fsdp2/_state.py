@@ -249,6 +249,9 @@ class FSDPState:
         flat, spec = tree_flatten((args, kwargs))
         idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not idx:
+            # This call's backward (if any) cannot be seen finishing: leave the
+            # group's reduction to the final callback (see _post_backward_node_done).
+            self.group.untracked_calls += 1
             return args, kwargs
         outs = _PostBackward.apply(self, *(flat[i] for i in idx))
         for i, t in zip(idx, outs, strict=True):
@@ -319,7 +322,11 @@ class FSDPState:
         for nxt in g.bwd_prefetch if g.bwd_prefetch is not None else g.bwd_next:
             # A group with no trainable params whose inputs needed no grad has
             # no backward at all: do not gather it.
-            if not nxt.backward_done and (nxt._grad_params or nxt.post_backward_pending):
+            if (
+                not nxt.backward_done
+                and nxt.unshard_in_backward
+                and (nxt._grad_params or nxt.post_backward_pending)
+            ):
                 nxt.unshard()
         g.wait_for_unshard()
 
@@ -327,7 +334,10 @@ class FSDPState:
         g = self.group
         assert g is not None
         g.post_backward_pending -= 1
-        if g.post_backward_pending <= 0 and not g.backward_done:
+        # A call whose inputs needed no grad registered no node, yet its
+        # backward may still be to come (fully_shard([a, b]) with ``a`` on the
+        # data, or a module reused on the data): reduce once, at the end.
+        if g.post_backward_pending <= 0 and not g.backward_done and not g.untracked_calls:
             g.post_backward()
 
 

@@ -325,7 +325,7 @@ class UnshardHandle:
         also waited by the module's next forward, so calling this is optional."""
         state, self._state = self._state, None
         if state is not None and state.group is not None:
-            state.group.wait_for_unshard()
+            state.group.wait_if_pending()
 
 
 class FSDPModule:

@@ -301,10 +301,15 @@ def _destroy_subgroups() -> None:
     """Destroy every process group but the default one (each gloo group holds threads, fds)."""
     import torch.distributed as dist
 
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
     world = dist.GroupMember.WORLD
     for group in list(dist.distributed_c10d._world.pg_map):
         if group is not world:
             dist.destroy_process_group(group)
+    # DTensor caches sharding decisions per mesh shape and names; a new mesh equal to
+    # an earlier task's would otherwise bring back that task's destroyed groups.
+    _clear_sharding_prop_cache()
 
 
 def _exit_with_parent(parent_pid: int) -> None:
