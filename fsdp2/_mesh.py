@@ -106,3 +106,21 @@ def post_forward_group(info: MeshInfo, reshard_size: int) -> tuple[dist.ProcessG
         if rank in ranks:
             return group, ranks.index(rank)
     raise AssertionError(f"rank {rank} is not in mesh {info.mesh}")
+
+
+def separate_shard_group(info: MeshInfo) -> dist.ProcessGroup:
+    """A second process group over this rank's shard ranks (for reduce-scatters
+    that should not queue behind all-gathers). Collective over all ranks;
+    cached on the mesh like ``post_forward_group``."""
+    cache: dict[str, dist.ProcessGroup] = info.mesh.__dict__.setdefault(
+        "_fsdp2_separate_groups", {}
+    )
+    if "shard" not in cache:
+        mine = None
+        for row in info.mesh.mesh.reshape(-1, info.shard_size).tolist():
+            group = dist.new_group(row)
+            if dist.get_rank() in row:
+                mine = group
+        assert mine is not None
+        cache["shard"] = mine
+    return cache["shard"]

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
@@ -89,6 +90,7 @@ class ParamGroup:
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.ag_comm: AllGather | None = None  # set_custom_all_gather
         self.rs_comm: ReduceScatter | None = None  # set_custom_reduce_scatter
+        self.rs_group: dist.ProcessGroup | None = None  # set_separate_reduce_scatter_group
         self.partial_reduce: torch.Tensor | None = None  # HSDP without all-reduce
         self._acc_grads: dict[int, torch.Tensor] = {}  # no-sync sums in reduce_dtype
         self.post_forward: bool | int = reshard_after_forward
@@ -378,7 +380,8 @@ class ParamGroup:
         )
         if plan.pre is not None:
             packed.div_(plan.pre)
-        pending = C.reduce_scatter(packed, self.info.shard_group, plan.rs_op, self.rs_comm)
+        group = self.rs_group or self.info.shard_group
+        pending = C.reduce_scatter(packed, group, plan.rs_op, self.rs_comm)
         assert self.ctx is not None
         self.ctx.add_reduction(_Reduction(self, params, pending, plan))
 

@@ -9,11 +9,12 @@ from collections.abc import Callable, Iterable
 from typing import Any, NoReturn, overload
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from ._mesh import MeshInfo, default_mesh, mesh_info
+from ._mesh import MeshInfo, default_mesh, mesh_info, separate_shard_group
 from ._param import FSDPParam
 from ._param_group import ParamGroup
 from ._state import FSDPState, state_of
@@ -538,6 +539,44 @@ class FSDPModule:
         for g in self._groups(recurse):
             g.max_inflight = max_input_buffers
 
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """Run gradient reduce-scatters on a process group of their own (over the
+        same shard ranks), so they can progress concurrently with all-gathers
+        instead of queueing behind them on one communicator. Creating groups is
+        collective: call it on every rank alike. ``False`` goes back to the
+        shared group."""
+        for g in self._groups(recurse):
+            g.rs_group = separate_shard_group(g.info) if enable else None
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Allocate collective buffers from the process group's own allocator
+        (NCCL zero-copy, e.g. SHARP). Backends without one (gloo) ignore it.
+        Cannot be combined with custom collectives. Not recursive."""
+        for g in self._groups():
+            if g.ag_comm is not None and not isinstance(g.ag_comm, _BackendAlloc):
+                raise ValueError("custom all-gather already set; it allocates its own buffers")
+            comm = _BackendAlloc.for_group(g.info.shard_group, g.device) if enable else None
+            g.ag_comm = comm
+            g.rs_comm = _BackendAlloc.reduce_scatter(comm)
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """torch 2.13's symmetric-memory all-gather buffers (NCCL copy-engine
+        collectives). Not implemented by fsdp2: a no-op on CPU meshes.
+
+        Raises:
+            NotImplementedError: on an accelerator mesh.
+        """
+        if backend != "NCCL":
+            raise ValueError(f"set_symm_mem_for_comm supports backend='NCCL', got {backend!r}")
+        for g in self._groups():
+            if g.device.type != "cpu":
+                raise NotImplementedError(
+                    "fsdp2 does not implement symmetric-memory collectives yet; "
+                    "set_allocate_memory_from_process_group_for_comm(True) is the closest"
+                )
+
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Order the next forward's first all-gathers after ``event`` (recorded
         after the optimizer step). Used once, then dropped; on CPU a no-op."""
@@ -621,3 +660,46 @@ def _on_stream(hook: Callable[[torch.Tensor], None], stream: Any) -> Callable[[t
         current.wait_stream(stream)
 
     return run
+
+
+class _BackendAlloc(AllGather):
+    """Collectives whose buffers come from the process group's memory allocator."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+
+    @classmethod
+    def for_group(cls, group: dist.ProcessGroup, device: torch.device) -> _BackendAlloc | None:
+        if device.type != "cuda":
+            return None  # gloo and CPU tensors: the default allocator is the only one
+        backend = group._get_backend(device)
+        allocator = getattr(backend, "mem_allocator", None)
+        if allocator is None:
+            return None
+        return cls(torch.cuda.MemPool(allocator))
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        with torch.cuda.use_mem_pool(self.pool):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):  # type: ignore[no-untyped-def]
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+    @staticmethod
+    def reduce_scatter(comm: _BackendAlloc | None) -> ReduceScatter | None:
+        if comm is None:
+            return None
+        return _BackendAllocReduceScatter(comm)
+
+
+class _BackendAllocReduceScatter(ReduceScatter):
+    def __init__(self, alloc: _BackendAlloc) -> None:
+        self.alloc = alloc
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.alloc.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # type: ignore[no-untyped-def]
+        return dist.reduce_scatter_single(
+            output_tensor, input_tensor, op=op, group=group, async_op=async_op
+        )
