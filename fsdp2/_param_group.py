@@ -172,7 +172,8 @@ class ParamGroup:
                 view = un.narrow(0, w * p.offset, numel).view(p.shape)
                 old = p.unsharded
                 if p.tp is not None:
-                    if isinstance(old, DTensor) and old.device == view.device:
+                    same = isinstance(old, DTensor) and old.device == view.device
+                    if same and old.dtype == view.dtype:
                         old._local_tensor = view
                     else:
                         new = nn.Parameter(p.wrap_unsharded(view), p.requires_grad)
@@ -184,6 +185,32 @@ class ParamGroup:
         _free(un)
         if self._small is not None:
             self._small = _SmallShard(self, self._small.size)
+
+    def adopt_registered(self) -> None:
+        """After ``load_state_dict(assign=True)`` replaced sharded parameters by
+        new objects: take those objects as the group's sharded parameters and
+        move their values into the flat buffer."""
+        changed = False
+        for p in self.params:
+            m, n = p.owners[0]
+            cur = m._parameters.get(n)
+            if cur is None or cur is p.sharded:
+                continue
+            if not isinstance(cur, DTensor) or tuple(cur.placements) != tuple(p.sharded.placements):
+                raise ValueError(
+                    f"load_state_dict(assign=True) put {type(cur).__name__} "
+                    f"{getattr(cur, 'placements', '')} at {p.fqn}; fsdp2 needs a DTensor with "
+                    f"placements {tuple(p.sharded.placements)} (or a full tensor)"
+                )
+            p.sharded = cur
+            for m2, n2 in p.owners[1:]:
+                m2._parameters[n2] = cur
+            changed = True
+        if changed:
+            self._sharded_regs = [
+                (m._parameters, n, p.sharded) for p in self.params for m, n in p.owners
+            ]
+            self.resync_after_apply()
 
     def resync_after_apply(self) -> None:
         """After ``nn.Module._apply`` (``to_empty``, ``.to(device or dtype)``)

@@ -28,6 +28,17 @@ def register_load_hooks(group: ParamGroup) -> None:
             by_module.setdefault(id(m), (m, []))[1].append((name, p))
     for m, entries in by_module.values():
         m.register_load_state_dict_pre_hook(_ShardFullTensors(group, entries))
+        m.register_load_state_dict_post_hook(_AdoptAssigned(group))
+
+
+class _AdoptAssigned:
+    """Load post-hook: ``assign=True`` swapped parameter objects; adopt them."""
+
+    def __init__(self, group: ParamGroup) -> None:
+        self.group = group
+
+    def __call__(self, module: nn.Module, incompatible_keys: Any) -> None:
+        self.group.adopt_registered()
 
 
 class _ShardFullTensors:

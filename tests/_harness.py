@@ -300,7 +300,6 @@ def _run_task(payload: bytes) -> bytes:
 def _destroy_subgroups() -> None:
     """Destroy every process group but the default one (each gloo group holds threads, fds)."""
     import torch.distributed as dist
-
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     world = dist.GroupMember.WORLD

@@ -1,0 +1,152 @@
+"""``torch.nn.utils.clip_grad_norm_`` on ``fully_shard`` models, on 4 gloo ranks, with fsdp2 and
+torch's ``fully_shard`` side by side, against an unsharded reference trained on the global
+batch (2 AdamW steps, clipping every step at a max norm below the total norm):
+
+* FSDP (1D mesh) and HSDP (2x2) ``tests/models.TinyTransformer``: every gradient is a DTensor on
+  one mesh; the returned total norm (a DTensor; ``full_tensor()``) equals the reference's and
+  the clipped full gradients and the updated parameters match;
+* FSDP + TP with ``SequenceParallel`` norms (``tp_models``' ``tp_sp`` plan): every gradient is on
+  the ``(dp, tp)`` mesh, same checks;
+* FSDP + TP with plain norms (``tp`` plan): the norms' gradients are on ``dp``, the rest on
+  ``(dp, tp)``. torch's ``clip_grad_norm_`` raises for both engines ("All operands in
+  aten.stack.default must have the same mesh"), and so does ``clip_grads_with_norm_`` with one
+  plain total norm ("Cannot run aten.mul.Tensor on inputs with different meshes"). The
+  per-mesh recipe (one ``get_total_norm`` per mesh, made plain and combined, then
+  ``clip_grads_with_norm_`` per mesh; torchtitan does the same for expert parallelism)
+  matches the reference for both engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from _harness import run_on_ranks
+from models import build, full_grads, full_params, rank_slice, shard_model
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+from tp_models import (
+    build_tp_model,
+    dp_rank_and_size,
+    make_meshes,
+    parallelize,
+    tp_batch,
+    tp_loss,
+)
+
+import fsdp2
+
+WORLD_SIZE = 4
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+ENGINES: dict[str, Callable[..., Any]] = {"fsdp2": fsdp2.fully_shard, "torch": torch_fully_shard}
+MAX_NORM = 0.05  # below every total norm seen here, so clipping scales
+
+
+def _close(got: torch.Tensor | None, want: torch.Tensor | None, what: str) -> None:
+    assert (got is None) == (want is None), f"{what}: got {got}, want {want}"
+    if got is not None:
+        torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{what}: {m}")
+
+
+def _clip_per_mesh(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` for gradients on several meshes (torchtitan does the same for
+    expert parallelism): one ``get_total_norm`` per mesh, made plain with ``full_tensor()``
+    and combined; then ``clip_grads_with_norm_`` per mesh (one foreach op cannot mix meshes)."""
+    by_mesh: dict[Any, list[nn.Parameter]] = {}
+    for p in params:
+        if p.grad is not None:
+            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            by_mesh.setdefault(key, []).append(p)
+    norms = []
+    for group in by_mesh.values():
+        n = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
+def _sharded_engines(setup: str) -> tuple[nn.Module, dict[str, nn.Module], int, int, Callable]:
+    """The reference, the two sharded models, this rank's data-parallel slice and the loss."""
+    if setup in ("fsdp", "hsdp"):
+        if setup == "fsdp":
+            dp_mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+        else:  # torch asks HSDP meshes for dim names
+            dp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        ref = build("transformer")
+        models = {e: shard_model(build("transformer"), fn, dp_mesh) for e, fn in ENGINES.items()}
+        return ref, models, dist.get_rank(), WORLD_SIZE, _transformer_loss
+    mesh, dp_mesh, tp_mesh = make_meshes("fsdp2x2")
+    plan = "tp_sp" if setup == "fsdp_tp_sp" else "tp"
+    ref = build_tp_model()
+    models = {
+        e: shard_model(parallelize(build_tp_model(), tp_mesh, plan), fn, dp_mesh)
+        for e, fn in ENGINES.items()
+    }
+    dp_rank, dp_size = dp_rank_and_size(mesh)
+    return ref, models, dp_rank, dp_size, _tp_step_loss
+
+
+def _transformer_loss(model: nn.Module, step: int, rank: int, size: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(3000 + step)
+    tokens = torch.randint(0, 37, (8, 9), generator=g)
+    x, y = rank_slice(tokens[:, :-1], rank, size), rank_slice(tokens[:, 1:], rank, size)
+    out = model(x)
+    return F.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1))
+
+
+def _tp_step_loss(model: nn.Module, step: int, rank: int, size: int) -> torch.Tensor:
+    x, y = tp_batch(step)
+    return tp_loss(model, rank_slice(x, rank, size), rank_slice(y, rank, size))
+
+
+def _clip(setup: str) -> None:
+    ref, models, dp_rank, dp_size, loss_fn = _sharded_engines(setup)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opts = {e: torch.optim.AdamW(m.parameters(), lr=1e-2) for e, m in models.items()}
+    mixed_meshes = setup == "fsdp_tp"
+    for step in range(2):
+        loss_fn(ref, step, 0, 1).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        assert ref_norm > MAX_NORM, f"step {step}: norm {ref_norm} too small to test clipping"
+        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+        for engine, model in models.items():
+            loss_fn(model, step, dp_rank, dp_size).backward()
+            params = list(model.parameters())
+            if mixed_meshes:
+                with pytest.raises(RuntimeError, match="must have the same mesh"):
+                    torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+                # A plain total norm does not help: one foreach op cannot mix meshes either
+                # (max_norm far above it: even a partial scaling would multiply by 1).
+                with pytest.raises(RuntimeError, match="different meshes"):
+                    torch.nn.utils.clip_grads_with_norm_(params, 1e6, torch.tensor(1.0))
+                norm = _clip_per_mesh(params, MAX_NORM)
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+                assert isinstance(norm, DTensor), f"{engine}: total norm is a {type(norm).__name__}"
+                norm = norm.full_tensor()
+            _close(norm, ref_norm, f"{engine} step {step} total norm")
+            for name, grad in full_grads(model).items():
+                _close(grad, ref_grads[name], f"{engine} step {step} clipped grad {name}")
+        for opt in (ref_opt, *opts.values()):
+            opt.step()
+            opt.zero_grad()
+        for engine, model in models.items():
+            for name, full in full_params(model).items():
+                _close(
+                    full,
+                    dict(ref.named_parameters())[name].detach(),
+                    f"{engine} step {step} param {name}",
+                )
+
+
+@pytest.mark.parametrize("setup", ["fsdp", "hsdp", "fsdp_tp_sp", "fsdp_tp"])
+def test_clip_grad_norm(setup: str) -> None:
+    run_on_ranks(WORLD_SIZE, _clip, setup)
