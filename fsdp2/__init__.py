@@ -9,6 +9,7 @@ from .api import (
     OffloadPolicy,
     ReduceScatter,
 )
+from .clip import clip_grad_norm_
 from .fully_shard import (
     FSDPModule,
     UnshardHandle,
@@ -26,6 +27,7 @@ __all__ = [
     "OffloadPolicy",
     "ReduceScatter",
     "UnshardHandle",
+    "clip_grad_norm_",
     "fully_shard",
     "register_fsdp_forward_method",
     "share_comm_ctx",

@@ -10,9 +10,8 @@ batch (2 AdamW steps, clipping every step at a max norm below the total norm):
 * FSDP + TP with plain norms (``tp`` plan): the norms' gradients are on ``dp``, the rest on
   ``(dp, tp)``. torch's ``clip_grad_norm_`` raises for both engines ("All operands in
   aten.stack.default must have the same mesh"), and so does ``clip_grads_with_norm_`` with one
-  plain total norm ("Cannot run aten.mul.Tensor on inputs with different meshes"). The
-  per-mesh recipe (one ``get_total_norm`` per mesh, made plain and combined, then
-  ``clip_grads_with_norm_`` per mesh; torchtitan does the same for expert parallelism)
+  plain total norm ("Cannot run aten.mul.Tensor on inputs with different meshes").
+  ``fsdp2.clip_grad_norm_`` (one norm per mesh, combined, then one clip per mesh)
   matches the reference for both engines.
 """
 
@@ -52,25 +51,6 @@ def _close(got: torch.Tensor | None, want: torch.Tensor | None, what: str) -> No
     assert (got is None) == (want is None), f"{what}: got {got}, want {want}"
     if got is not None:
         torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{what}: {m}")
-
-
-def _clip_per_mesh(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """``clip_grad_norm_`` for gradients on several meshes (torchtitan does the same for
-    expert parallelism): one ``get_total_norm`` per mesh, made plain with ``full_tensor()``
-    and combined; then ``clip_grads_with_norm_`` per mesh (one foreach op cannot mix meshes)."""
-    by_mesh: dict[Any, list[nn.Parameter]] = {}
-    for p in params:
-        if p.grad is not None:
-            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
-            by_mesh.setdefault(key, []).append(p)
-    norms = []
-    for group in by_mesh.values():
-        n = torch.nn.utils.get_total_norm([p.grad for p in group])
-        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
-    total = torch.linalg.vector_norm(torch.stack(norms))
-    for group in by_mesh.values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
-    return total
 
 
 def _sharded_engines(setup: str) -> tuple[nn.Module, dict[str, nn.Module], int, int, Callable]:
@@ -127,7 +107,7 @@ def _clip(setup: str) -> None:
                 # (max_norm far above it: even a partial scaling would multiply by 1).
                 with pytest.raises(RuntimeError, match="different meshes"):
                     torch.nn.utils.clip_grads_with_norm_(params, 1e6, torch.tensor(1.0))
-                norm = _clip_per_mesh(params, MAX_NORM)
+                norm = fsdp2.clip_grad_norm_(params, MAX_NORM)
             else:
                 norm = torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
                 assert isinstance(norm, DTensor), f"{engine}: total norm is a {type(norm).__name__}"

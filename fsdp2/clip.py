@@ -1,0 +1,52 @@
+"""Gradient clipping over gradients that live on several meshes.
+
+``torch.nn.utils.clip_grad_norm_`` stacks every gradient's norm in one op, and
+DTensor ops cannot mix meshes: with tensor parallelism, parameters that TP
+leaves alone (e.g. norms without sequence parallel) have gradients on the
+data-parallel mesh while the rest live on the ``(dp, tp)`` mesh, and torch's
+function raises. This one reduces each mesh's norm separately, combines the
+plain results, and scales each mesh's gradients with one foreach op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["clip_grad_norm_"]
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Clip the gradients of ``parameters`` (DTensors on any meshes, or plain
+    tensors) to a total ``norm_type`` norm of at most ``max_norm``, in place.
+
+    Same arguments as ``torch.nn.utils.clip_grad_norm_``. Returns the total
+    norm before clipping as a plain tensor, equal on every rank (the norm over
+    the full, unsharded gradients). Every rank must call it (it communicates).
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            by_mesh.setdefault(key, []).append(p)
+    if not by_mesh:
+        return torch.tensor(0.0)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(
+            [p.grad for p in group], norm_type, error_if_nonfinite, foreach
+        )
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.nn.utils.get_total_norm(norms, norm_type, error_if_nonfinite, foreach)
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach)
+    return total
