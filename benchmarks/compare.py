@@ -18,7 +18,6 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -57,7 +56,11 @@ def wrap(impl: str, model: nn.Module, mesh, args) -> nn.Module:  # type: ignore[
         fully_shard(model, mesh=mesh, mp_policy=mp_policy)
         return model
     if impl == "torch_fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+        from torch.distributed.fsdp import (
+            FullyShardedDataParallel,
+            MixedPrecision,
+            ShardingStrategy,
+        )
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         return FullyShardedDataParallel(
@@ -82,9 +85,7 @@ def worker(rank: int, args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=args.world_size)
     torch.set_num_threads(args.threads)
     mesh = init_device_mesh("cpu", (args.world_size,))
-    cfg = LlamaConfig(
-        dim=args.dim, n_layers=args.layers, n_heads=args.heads, max_seq_len=args.seq
-    )
+    cfg = LlamaConfig(dim=args.dim, n_layers=args.layers, n_heads=args.heads, max_seq_len=args.seq)
     impls = args.impls.split(",")
     models, optims = {}, {}
     for impl in impls:
@@ -92,7 +93,9 @@ def worker(rank: int, args: argparse.Namespace) -> None:
         optims[impl] = torch.optim.AdamW(models[impl].parameters(), lr=1e-3, foreach=True)
     gen = torch.Generator().manual_seed(1234)
     total = args.steps + args.warmup
-    data = torch.randint(0, cfg.vocab_size, (total, args.world_size * args.batch, args.seq + 1), generator=gen)
+    data = torch.randint(
+        0, cfg.vocab_size, (total, args.world_size * args.batch, args.seq + 1), generator=gen
+    )
 
     def step(impl: str, i: int) -> float:
         batch = data[i, rank * args.batch : (rank + 1) * args.batch]
