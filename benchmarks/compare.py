@@ -51,9 +51,16 @@ def wrap(impl: str, model: nn.Module, mesh, args) -> nn.Module:  # type: ignore[
             param_dtype=torch.bfloat16 if bf16 else None,
             reduce_dtype=torch.float32 if bf16 else None,
         )
+        if impl == "fsdp2":
+            from fsdp2 import CPUOffloadPolicy, OffloadPolicy
+        else:
+            from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+        # pin_memory needs an accelerator; on CPU meshes the policy moves nothing anyway.
+        offload = CPUOffloadPolicy(pin_memory=False) if args.offload else OffloadPolicy()
+        kw = {"mp_policy": mp_policy, "offload_policy": offload}
         for block in model.layers:
-            fully_shard(block, mesh=mesh, reshard_after_forward=args.reshard, mp_policy=mp_policy)
-        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+            fully_shard(block, mesh=mesh, reshard_after_forward=args.reshard, **kw)
+        fully_shard(model, mesh=mesh, **kw)
         return model
     if impl == "torch_fsdp1":
         from torch.distributed.fsdp import (
@@ -142,7 +149,8 @@ def report(args, impls, times, losses, peaks) -> None:  # type: ignore[no-untype
         f"# {time.strftime('%Y-%m-%d %H:%M')}, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cpus, torch {torch.__version__}, gloo, world {args.world_size}, "
         f"{args.layers} layers dim {args.dim}, batch {args.batch}x{args.seq}/rank, {args.dtype}, "
-        f"reshard_after_forward={args.reshard}, {args.steps} steps (median)"
+        f"reshard_after_forward={args.reshard}, offload={args.offload}, "
+        f"{args.steps} steps (median)"
     )
     print(
         f"| impl | step s | tokens/s | peak MiB/rank | step vs {ref} | mem vs {ref} | last loss |"
@@ -162,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--reshard", type=lambda s: s.lower() in ("1", "true", "yes"), default=True)
+    ap.add_argument("--offload", action="store_true", help="CPUOffloadPolicy (FSDP2 impls)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--heads", type=int, default=8)

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._mesh import MeshInfo
@@ -145,15 +146,8 @@ class FSDPParam:
         mesh = info.mesh
         if self.tp is not None:
             mesh, placements = self.tp.sharded_layout(info, placements, self.shard_dim)
-        dt = DTensor.from_local(
-            local,
-            mesh,
-            placements,
-            run_check=False,
-            shape=self.global_shape,
-            stride=_contiguous_stride(self.global_shape),
-        )
-        self.sharded = nn.Parameter(dt, requires_grad=self.requires_grad)
+        spec = _spec(mesh, tuple(placements), self.global_shape, local.dtype)
+        self.sharded = _dtensor_param(local, spec, self.requires_grad)
         self.spec = self.sharded._spec  # reused for every gradient: see land_grads
         return self.sharded
 
@@ -178,6 +172,29 @@ class FSDPParam:
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return torch.empty(shape, device="meta").stride()
+
+
+def _spec(
+    mesh: DeviceMesh, placements: tuple[Placement, ...], shape: torch.Size, dtype: torch.dtype
+) -> DTensorSpec:
+    """A DTensor spec, shared by every parameter of the same layout on ``mesh``
+    (building one per parameter dominates ``fully_shard``'s time otherwise)."""
+    cache: dict[tuple, DTensorSpec] = mesh.__dict__.setdefault("_fsdp2_specs", {})
+    key = (placements, tuple(shape), dtype)
+    spec = cache.get(key)
+    if spec is None:
+        meta = TensorMeta(shape, _contiguous_stride(shape), dtype)
+        spec = cache[key] = DTensorSpec(mesh, placements, tensor_meta=meta)
+    return spec
+
+
+def _dtensor_param(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> nn.Parameter:
+    """``nn.Parameter(DTensor.from_local(local, ...))`` without the autograd
+    round trip and detach: for tensor subclasses ``nn.Parameter`` is the tensor
+    itself flagged ``_is_param``."""
+    dt = DTensor(local, spec, requires_grad=requires_grad)
+    dt._is_param = True  # what nn.Parameter.__new__ does for tensor subclasses
+    return dt  # type: ignore[return-value]
 
 
 class TPLayout:
