@@ -1,5 +1,5 @@
 """fsdp2: fully sharded data parallel training for PyTorch, API-compatible
-with ``torch.distributed.fsdp.fully_shard``."""
+with torch's FSDP2 ``fully_shard`` (torch 2.13)."""
 
 from .api import (
     AllGather,

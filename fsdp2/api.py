@@ -1,6 +1,6 @@
 """Policies: the small frozen configuration objects users hand to ``fully_shard``.
 
-Field names and defaults match ``torch.distributed.fsdp`` (2.13) so code written
+Field names and defaults match torch's FSDP2 (2.13) so code written
 for torch's FSDP2 switches by changing one import.
 """
 

@@ -2,7 +2,7 @@
 ``FullyShardedDataParallel(model, ...)`` call into ``fully_shard`` calls.
 
 Import it as a submodule (``from fsdp2.fsdp1 import shard_model, ShardingStrategy``); the core
-never imports it. The names and fields follow ``torch.distributed.fsdp.api`` (torch 2.13), but
+never imports it. The names and fields follow FSDP1's ``api`` module (torch 2.13), but
 the classes are our own. See [Note: FSDP1 mapping].
 
 [Note: FSDP1 mapping]
