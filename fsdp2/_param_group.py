@@ -270,10 +270,9 @@ class ParamGroup:
             self._pending_ag_small = True
             return
         flat = self.sharded_flat
-        if flat.device != self.device:  # CPU offload: host-to-device first
-            flat = flat.to(self.device, non_blocking=True)
-        if self.param_dtype != self.orig_dtype:
-            flat = flat.to(self.param_dtype)
+        if flat.device != self.device or self.param_dtype != flat.dtype:
+            # CPU offload (host-to-device) and/or param_dtype cast, in one op
+            flat = flat.to(self.device, self.param_dtype, non_blocking=True)
         self._pending_ag = C.all_gather(flat, self.info.shard_group, self.world, self.ag_comm)
         self._pending_ag_small = False
 
@@ -321,6 +320,10 @@ class ParamGroup:
         if self._pending_ag is not None:  # prefetched but unused
             self._pending_ag.wait()
             self._pending_ag = None
+        if self.sharded_state is Sharded.SMALL and not to_small:
+            # The small copy holds this step's values; never gather it next step.
+            self._drop_small()
+            return
         if self.sharded_state is not Sharded.UNSHARDED:
             return
         if to_small and self._small is not None:
@@ -330,6 +333,11 @@ class ParamGroup:
             self.sharded_state = Sharded.SHARDED
         _free(self.unsharded_flat)
         self.register_sharded()
+
+    def _drop_small(self) -> None:
+        assert self._small is not None
+        self._small.flat = None
+        self.sharded_state = Sharded.SHARDED
 
     def after_forward(self) -> None:
         """Reshard per ``reshard_after_forward`` at the end of a training forward."""
@@ -350,7 +358,7 @@ class ParamGroup:
         if self.reshard_after_backward:
             self.reshard()
         elif self.sharded_state is Sharded.SMALL:
-            self.sharded_state = Sharded.SHARDED
+            self._drop_small()
 
     def has_unreduced_grads(self) -> bool:
         return bool(self._acc_grads) or any(p.unsharded.grad is not None for p in self._grad_params)

@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from ._param_group import ParamGroup, _Reduction
+from ._param_group import ParamGroup, Sharded, _Reduction
 from .api import MixedPrecisionPolicy
 
 STATE_ATTR = "_fsdp2_state"
@@ -74,6 +74,9 @@ class StepContext:
     def begin_forward(self) -> None:
         self.fwd_order = []
         self.post_fwd_order = []
+        for g in self.groups:  # a small copy whose backward never came may be stale
+            if g.sharded_state is Sharded.SMALL:
+                g.reshard()
 
     def end_forward(self) -> None:
         """Link each group to the one that ran after it (next step's implicit

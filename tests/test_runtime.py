@@ -466,6 +466,29 @@ def test_module_called_twice_first_input_without_grad(world_size: int) -> None:
     _run(world_size, _reuse_without_grad_input)
 
 
+def _small_copy_not_reused() -> None:
+    mesh = _mesh()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(IN, D), nn.Linear(D, OUT))
+    fully_shard(model[0], mesh=mesh, reshard_after_forward=2)
+    fully_shard(model, mesh=mesh)
+    x = torch.ones(2, IN)
+    model(x)  # grad-enabled forward, no backward: model[0] keeps a 2-rank copy
+    model.reshard()  # the root keeps its params after forward; register its shards
+    with torch.no_grad():
+        for p in model[0].parameters():
+            p.to_local().add_(1.0)
+    w0, b0, w1, b1 = (p.full_tensor() for p in model.parameters())
+    want = F.linear(F.linear(x, w0, b0), w1, b1)
+    torch.testing.assert_close(model(x), want)
+
+
+def test_int_reshard_copy_not_reused_after_params_change() -> None:
+    """A forward without backward leaves a reshard_after_forward=int copy; the next
+    forward must gather the current shards, not that copy."""
+    _run(4, _small_copy_not_reused)
+
+
 def _set_checkpoint(use_reentrant: bool) -> Callable[[nn.Module, int], None]:
     def set_flag(model: nn.Module, step: int) -> None:
         model.checkpoint = use_reentrant
