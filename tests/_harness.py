@@ -16,6 +16,13 @@ blocked in a collective, and the collective sequence differs between ranks. The 
 builds a fresh pool. A worker exits when its parent dies, even mid-collective, and ignores
 SIGINT, so Ctrl-C in pytest leaves no process behind.
 
+[Note: crashed workers]
+A worker killed by a signal (e.g. a segfault inside gloo's C++ threads; CI saw one once, in
+a test that passes hundreds of times in a row) fails its task without any Python error. Such
+a task is rerun once on a fresh pool and a ``RuntimeWarning`` with the crashed rank's stacks
+is emitted (pytest lists it in the summary). A second crash, a Python error or a timeout
+fails the test as usual: a real bug still shows, a rare platform crash does not turn CI red.
+
 Between tasks a worker destroys the process groups the previous task created (safe then:
 the parent sends a task only once every rank finished the last one), restores torch's
 default dtype and grad mode, and runs ``gc.collect()``; objects from imports done at startup
@@ -39,6 +46,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -50,6 +58,7 @@ _START_TIMEOUT_S = 120.0  # spawning and importing torch; 4 ranks on 2 cores tak
 _FAILURE_GRACE_S = 3.0  # after one rank fails, how long to wait for the others to report
 _STACK_DUMP_WAIT_S = 2.0
 
+_SIGNAL_DEATH = "worker died (exit code -"  # killed by a signal, e.g. SIGSEGV
 _Outcome = tuple[str, Any]  # ("ok", value) or ("error", traceback text)
 
 
@@ -78,20 +87,34 @@ def run_on_ranks(
             f"run_on_ranks: cannot pickle {fn!r} and its args ({e}); fn must be a module-level "
             "function and args plain data or tensors"
         ) from e
-    pool = _get_pool(world_size)
-    for conn in pool.conns:
-        conn.send_bytes(payload)
-    try:
-        outcomes, pending = pool.collect(timeout)
-    except BaseException:  # e.g. KeyboardInterrupt: the task is still in flight on the workers
-        _discard_pool(world_size)
-        raise
-    errors = {rank: out[1] for rank, out in outcomes.items() if out[0] != "ok"}
-    if not errors and not pending:
-        return [outcomes[rank][1] for rank in range(world_size)]
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+    for attempt in range(2):
+        pool = _get_pool(world_size)
+        for conn in pool.conns:
+            conn.send_bytes(payload)
+        try:
+            outcomes, pending = pool.collect(timeout)
+        except BaseException:  # e.g. KeyboardInterrupt: the task is in flight on the workers
+            _discard_pool(world_size)
+            raise
+        errors = {rank: out[1] for rank, out in outcomes.items() if out[0] != "ok"}
+        if not errors and not pending:
+            return [outcomes[rank][1] for rank in range(world_size)]
+        crashed = [rank for rank, tb in errors.items() if tb.startswith(_SIGNAL_DEATH)]
+        if attempt == 0 and crashed:
+            # See [Note: crashed workers]: rerun once on a fresh pool, loudly.
+            _discard_pool(world_size)
+            warnings.warn(
+                f"run_on_ranks({world_size}, {name}): ranks {crashed} crashed "
+                f"({errors[crashed[0]].splitlines()[0]}); reran the task on fresh workers. "
+                f"Rank {crashed[0]}'s stacks:\n{errors[crashed[0]]}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            continue
+        break
     stacks = pool.dump_stacks(pending)
     _discard_pool(world_size)
-    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
     parts = [f"run_on_ranks(world_size={world_size}, fn={name}) failed"]
     parts += [f"rank {rank} failed:\n{tb}" for rank, tb in sorted(errors.items())]
     if pending:

@@ -8,6 +8,7 @@ next call works on a fresh pool, and a healthy pool is reused across calls.
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
@@ -134,3 +135,32 @@ def test_failure_reports_ranks_blocked_by_it(world_size: int) -> None:
     blocked = [rank for rank in range(world_size) if rank != 1]
     assert f"ranks {blocked} did not finish after another rank failed" in message
     assert "in _raise_while_others_wait" in message.split("rank 0 Python stacks:")[1]
+
+
+def _segfault_rank_one(marker: str) -> int:
+    """Rank 1 dies of SIGSEGV unless ``marker`` exists (it creates it first); a crashed
+    rank's peers may be waiting in a collective: they must be cleaned up too."""
+    if dist.get_rank() == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGSEGV)
+    dist.barrier()
+    return dist.get_rank()
+
+
+def test_crashed_worker_is_retried_once_with_a_warning(tmp_path) -> None:
+    marker = str(tmp_path / "crashed-once")
+    with pytest.warns(RuntimeWarning, match=r"ranks \[1\] crashed .*reran the task"):
+        assert run_on_ranks(2, _segfault_rank_one, marker) == [0, 1]
+
+
+def _always_segfault_rank_one() -> None:
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    dist.barrier()
+
+
+def test_worker_crashing_twice_fails() -> None:
+    with pytest.warns(RuntimeWarning), pytest.raises(AssertionError) as info:
+        run_on_ranks(2, _always_segfault_rank_one, timeout=60)
+    assert "rank 1 failed:\nworker died (exit code -11)" in str(info.value)
+    assert run_on_ranks(2, _all_reduce_rank) == [3.0, 3.0]
