@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from .api import DataParallelMeshDims
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,7 @@ class MeshInfo:
     shard_rank: int
     replicate_group: dist.ProcessGroup | None
     replicate_size: int
+    spmd: SPMDMesh | None = None  # set by fully_shard(..., dp_mesh_dims=...)
 
     @property
     def dp_size(self) -> int:
@@ -82,6 +86,134 @@ def mesh_info(mesh: DeviceMesh) -> MeshInfo:
         replicate_group=replicate,
         replicate_size=mesh.size(0) if mesh.ndim == 2 else 1,
     )
+
+
+# [Note: dp_mesh_dims]
+# ``fully_shard(m, mesh=full, dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...))``
+# takes parameters that are DTensors on the full SPMD mesh with ``Replicate()`` on the data
+# parallel dims. It maps onto the tensor-parallel path ([Note: tensor parallel] in _param.py):
+# the data-parallel mesh is sliced out of ``full`` (one shard dim, ``(replicate, shard)`` for
+# HSDP, ``(replicate, 1)`` for replicate only; several names are flattened into one dim) and
+# drives the collectives as for ``fully_shard(m, mesh=full["dp"])``; each parameter's
+# full-mesh layout plays the part of the TP layout, so the unsharded parameter is the user's
+# DTensor on ``full`` and the sharded one a DTensor on ``full`` whose shard dim's placement
+# becomes ``Shard(d)`` (``_StridedShard`` when a non-DP dim to its right also shards ``d``).
+
+
+@dataclass(frozen=True, eq=False)
+class SPMDMesh:
+    """``dp_mesh_dims`` resolved on the full mesh ``mesh`` (see [Note: dp_mesh_dims])."""
+
+    mesh: DeviceMesh
+    shard_dims: tuple[int, ...]
+    replicate_dims: tuple[int, ...]
+    # The sharded parameters' mesh: ``mesh``, except that several shard dims are replaced
+    # by the flattened data-parallel mesh (with its replicate dim, for HSDP), as torch does.
+    spec_mesh: DeviceMesh
+
+    @property
+    def dp_dims(self) -> frozenset[int]:
+        return frozenset(self.shard_dims + self.replicate_dims)
+
+    def sharded_layout(
+        self,
+        placements: tuple[Placement, ...],
+        dp_placements: tuple[Placement, ...],
+        shard_dim: int,
+    ) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+        """Mesh and placements of the FSDP-sharded parameter whose unsharded
+        placements on ``mesh`` are ``placements``; ``dp_placements`` are its
+        placements on the data-parallel mesh alone."""
+        if not self.shard_dims:  # replicate only: parameters keep their layout
+            return self.mesh, placements
+        inner = dp_placements[-1]
+        first = self.shard_dims[0]
+        split = 1
+        for j in range(first + 1, self.mesh.ndim):
+            p = placements[j]
+            if j not in self.dp_dims and isinstance(p, (Shard, _StridedShard)):
+                if p.dim == shard_dim:
+                    split *= self.mesh.size(j)
+        if split > 1 and isinstance(inner, Shard):
+            inner = _StridedShard(shard_dim, split_factor=split)
+        new = list(placements)
+        for i in self.shard_dims:
+            new[i] = inner
+        if len(self.shard_dims) == 1:
+            return self.mesh, tuple(new)
+        out: list[Placement] = []
+        for i in range(self.mesh.ndim):
+            if i == first:
+                out.extend((*dp_placements[:-1], inner))
+            elif i in self.dp_dims:  # in the data-parallel mesh placed at ``first``
+                continue
+            else:
+                out.append(new[i])
+        return self.spec_mesh, tuple(out)
+
+
+def spmd_mesh_info(mesh: DeviceMesh, dims: object) -> MeshInfo:
+    """Validate ``dp_mesh_dims`` against the full mesh ``mesh`` and describe the
+    data-parallel part of it (see [Note: dp_mesh_dims])."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard expects mesh to be a DeviceMesh, got {type(mesh).__name__}")
+    if not isinstance(dims, DataParallelMeshDims):
+        if not (hasattr(dims, "shard") and hasattr(dims, "replicate")):
+            raise TypeError(
+                "dp_mesh_dims must be a DataParallelMeshDims, got " + type(dims).__name__
+            )
+        dims = DataParallelMeshDims(shard=dims.shard, replicate=dims.replicate)  # e.g. torch's
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(
+            "fully_shard(dp_mesh_dims=...) needs a mesh with mesh_dim_names, e.g. "
+            "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
+        )
+    shard, rep = dims.shard_names, dims.replicate_names
+    for name in shard + rep:
+        if name not in names:
+            raise ValueError(
+                f"dp_mesh_dims names mesh dim '{name}', which is not in the mesh's dim names "
+                f"{names}"
+            )
+    if len(set(shard + rep)) != len(shard + rep):
+        raise ValueError(
+            f"dp_mesh_dims names a mesh dim twice: shard={shard}, replicate={rep}; each dim "
+            "is either sharded or replicated over"
+        )
+
+    def sub(group: tuple[str, ...]) -> DeviceMesh:
+        # Several dims act as one: flatten them (cached on the root mesh by name).
+        return mesh[group[0]] if len(group) == 1 else mesh[group]._flatten("_".join(group))
+
+    if not shard:  # replicate only: HSDP with a shard dim of size 1
+        rep_mesh = sub(rep)
+        cache = mesh.__dict__.setdefault("_fsdp2_unflattened", {})
+        if rep not in cache:
+            rep_name = "_".join(rep)
+            cache[rep] = rep_mesh._unflatten(
+                0, (rep_mesh.size(), 1), (rep_name, f"{rep_name}_noshard")
+            )
+        dp_mesh = cache[rep]
+    elif not rep:
+        dp_mesh = sub(shard)
+    else:
+        dp_mesh = DeviceMesh._concatenate([sub(rep), sub(shard)])
+    info = mesh_info(dp_mesh)
+    index = {n: i for i, n in enumerate(names)}
+    shard_dims = tuple(sorted(index[n] for n in shard))
+    replicate_dims = tuple(sorted(index[n] for n in rep))
+    spec_mesh = mesh
+    if len(shard_dims) > 1:
+        parts = []
+        for i, name in enumerate(names):
+            if i == shard_dims[0]:
+                parts.append(dp_mesh)
+            elif i not in shard_dims and i not in replicate_dims:
+                parts.append(mesh[name])
+        spec_mesh = DeviceMesh._concatenate(parts)
+    spmd = SPMDMesh(mesh, shard_dims, replicate_dims, spec_mesh)
+    return replace(info, spmd=spmd)
 
 
 def post_forward_group(info: MeshInfo, reshard_size: int) -> tuple[dist.ProcessGroup, int]:

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ._mesh import MeshInfo
+from ._mesh import MeshInfo, SPMDMesh
 
 
 def chunk_rows(dim_size: int, world_size: int, rank: int) -> tuple[int, int, int]:
@@ -91,6 +91,12 @@ class FSDPParam:
         if isinstance(param, DTensor):
             self.tp = TPLayout.of(param, info, fqn)
             param = param._local_tensor  # type: ignore[assignment]
+        elif info.spmd is not None:
+            raise ValueError(
+                f"parameter {fqn} is a plain tensor, but with dp_mesh_dims every parameter must "
+                f"be a DTensor on the full mesh {info.spmd.mesh} (Replicate() on the data "
+                "parallel dims), e.g. from distribute_tensor / distribute_module"
+            )
         self.shape = param.shape
         # 0-dim parameters are replicated (see [Note: scalars] in _param_group.py).
         self.is_scalar = param.dim() == 0
@@ -167,7 +173,7 @@ class FSDPParam:
 
     def grad_dtensor(self, local: torch.Tensor) -> DTensor:
         """A gradient for the sharded parameter, wrapping ``local`` (no checks, no copy)."""
-        return DTensor(local, self.spec, requires_grad=False)
+        return _wrap(local, self.spec, False)
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
@@ -188,27 +194,54 @@ def _spec(
     return spec
 
 
+_PLACEHOLDERS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _wrap(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> DTensor:
+    """``DTensor(local, spec)`` whose wrapper has storage offset 0.
+
+    torch 2.13 gives the wrapper ``local``'s storage offset; ours are views into a flat
+    buffer, and a wrapper with a non-zero offset pickles (``torch.save``, ``copy.deepcopy``)
+    as a plain tensor through its invalid storage and fails. So the wrapper is built around
+    an empty zero-offset placeholder of the same dtype and device, then given ``local``.
+    """
+    key = (local.dtype, local.device)
+    placeholder = _PLACEHOLDERS.get(key)
+    if placeholder is None:
+        placeholder = _PLACEHOLDERS[key] = local.new_empty(0)
+    dt = DTensor(placeholder, spec, requires_grad=requires_grad)
+    dt._local_tensor = local
+    return dt
+
+
 def _dtensor_param(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> nn.Parameter:
     """``nn.Parameter(DTensor.from_local(local, ...))`` without the autograd
     round trip and detach: for tensor subclasses ``nn.Parameter`` is the tensor
     itself flagged ``_is_param``."""
-    dt = DTensor(local, spec, requires_grad=requires_grad)
+    dt = _wrap(local, spec, requires_grad)
     dt._is_param = True  # what nn.Parameter.__new__ does for tensor subclasses
     return dt  # type: ignore[return-value]
 
 
 class TPLayout:
     """Where a DTensor parameter lives before FSDP: its mesh and placements
-    (see [Note: tensor parallel])."""
+    (see [Note: tensor parallel]). With ``dp_mesh_dims`` (``spmd`` set) the mesh
+    is the full mesh and the placements are ``Replicate()`` on its data-parallel
+    dims (see [Note: dp_mesh_dims] in _mesh.py)."""
 
-    __slots__ = ("mesh", "placements")
+    __slots__ = ("mesh", "placements", "spmd")
 
-    def __init__(self, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> None:
+    def __init__(
+        self, mesh: DeviceMesh, placements: tuple[Placement, ...], spmd: SPMDMesh | None = None
+    ) -> None:
         self.mesh = mesh
         self.placements = placements
+        self.spmd = spmd
 
     @classmethod
     def of(cls, param: DTensor, info: MeshInfo, fqn: str) -> TPLayout:
+        if info.spmd is not None:
+            return cls._of_spmd(param, info.spmd, fqn)
         tp_mesh = param.device_mesh
         try:
             DeviceMesh._concatenate([info.mesh, tp_mesh])
@@ -222,12 +255,36 @@ class TPLayout:
             raise ValueError(f"parameter {fqn} has Partial placements {param.placements}")
         return cls(tp_mesh, tuple(param.placements))
 
+    @classmethod
+    def _of_spmd(cls, param: DTensor, spmd: SPMDMesh, fqn: str) -> TPLayout:
+        if param.device_mesh != spmd.mesh:
+            raise ValueError(
+                f"parameter {fqn} is a DTensor on mesh {param.device_mesh}, but with "
+                f"dp_mesh_dims every parameter must be a DTensor on the mesh passed to "
+                f"fully_shard, {spmd.mesh}"
+            )
+        placements = tuple(param.placements)
+        names = spmd.mesh.mesh_dim_names
+        assert names is not None
+        for i in sorted(spmd.dp_dims):
+            if not placements[i].is_replicate():
+                raise ValueError(
+                    f"parameter {fqn} has placement {placements[i]} on data-parallel mesh dim "
+                    f"'{names[i]}' (placements {placements}); with dp_mesh_dims parameters "
+                    "must be Replicate() on every data-parallel dim"
+                )
+        if any(p.is_partial() for p in placements):
+            raise ValueError(f"parameter {fqn} has Partial placements {placements}")
+        return cls(spmd.mesh, placements, spmd)
+
     def sharded_layout(
         self, info: MeshInfo, dp_placements: tuple[Placement, ...], shard_dim: int
     ) -> tuple[DeviceMesh, tuple[Placement, ...]]:
         """The concatenated mesh and placements of the FSDP-sharded parameter.
         When TP also shards ``shard_dim``, FSDP's shard of the TP-local tensor is
         a strided shard of the global one."""
+        if self.spmd is not None:
+            return self.spmd.sharded_layout(self.placements, dp_placements, shard_dim)
         mesh = DeviceMesh._concatenate([info.mesh, self.mesh])
         split = 1
         for placement, size in zip(self.placements, self.mesh.shape, strict=True):
@@ -242,7 +299,15 @@ class TPLayout:
         """The TP-local gradient, redistributed to the parameter's placements
         first if autograd left it otherwise (e.g. Partial)."""
         if isinstance(grad, DTensor):
-            if tuple(grad.placements) != self.placements:
-                grad = grad.redistribute(self.mesh, self.placements)
+            want = self.placements
+            if self.spmd is not None:
+                # Data-parallel dims are FSDP's to reduce: keep the local values there.
+                dp = self.spmd.dp_dims
+                want = tuple(
+                    g if i in dp else p
+                    for i, (g, p) in enumerate(zip(grad.placements, want, strict=True))
+                )
+            if tuple(grad.placements) != want:
+                grad = grad.redistribute(self.mesh, want)
             return grad._local_tensor
         return grad

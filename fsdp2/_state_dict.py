@@ -1,7 +1,10 @@
 """State-dict hooks: sharded models load full (unsharded) tensors too.
 
-``model.state_dict()`` needs nothing from us: the registered parameters are
-the sharded DTensors under their original names. Loading, however, copies each
+``model.state_dict()`` returns the registered parameters, the sharded DTensors,
+under their original names (detached). A post-hook only re-wraps each value so
+that its wrapper has storage offset 0 (see ``_param._wrap``: torch 2.13 cannot
+pickle a DTensor whose local tensor is a view at an offset, which ours are;
+``detach()`` builds a new wrapper). Loading, however, copies each
 value into its DTensor parameter, and a plain full tensor (a checkpoint of the
 unsharded model, e.g. a Hugging Face state dict loaded on CPU) cannot be
 copied into a DTensor. A load pre-hook on each module that owns managed
@@ -17,11 +20,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ._param import _wrap
 from ._param_group import ParamGroup
 
 
-def register_load_hooks(group: ParamGroup) -> None:
-    """Let every owner module of ``group``'s parameters accept full tensors."""
+def register_state_dict_hooks(group: ParamGroup) -> None:
+    """Let every owner module of ``group``'s parameters accept full tensors and return
+    picklable DTensors."""
     by_module: dict[int, tuple[nn.Module, list[tuple[str, Any]]]] = {}
     for p in group.params:
         for m, name in p.owners:
@@ -29,6 +34,24 @@ def register_load_hooks(group: ParamGroup) -> None:
     for m, entries in by_module.values():
         m.register_load_state_dict_pre_hook(_ShardFullTensors(group, entries))
         m.register_load_state_dict_post_hook(_AdoptAssigned(group))
+        m.register_state_dict_post_hook(_Picklable([name for name, _ in entries]))
+
+
+class _Picklable:
+    """State-dict post-hook: DTensor values get a zero-offset wrapper (same local tensor)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+
+    def __call__(
+        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
+    ) -> None:
+        for name in self.names:
+            value = state_dict.get(prefix + name)
+            if isinstance(value, DTensor) and value.storage_offset() != 0:
+                state_dict[prefix + name] = _wrap(
+                    value._local_tensor, value._spec, value.requires_grad
+                )
 
 
 class _AdoptAssigned:

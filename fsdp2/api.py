@@ -18,6 +18,7 @@ __all__ = [
     "AllGather",
     "CPUOffloadPolicy",
     "Comm",
+    "DataParallelMeshDims",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "ReduceScatter",
@@ -91,6 +92,56 @@ class CPUOffloadPolicy(OffloadPolicy):
     def __post_init__(self) -> None:
         if not isinstance(self.pin_memory, bool):
             raise TypeError(f"CPUOffloadPolicy.pin_memory must be a bool, got {self.pin_memory!r}")
+
+
+def _dim_names(field: str, value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (tuple, list)) and value and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise TypeError(
+        f"DataParallelMeshDims.{field} must be None, a mesh dim name or a non-empty tuple of "
+        f"mesh dim names, got {value!r}"
+    )
+
+
+@dataclass(frozen=True)
+class DataParallelMeshDims:
+    """Which dims of a full SPMD mesh are data parallel, for
+    ``fully_shard(module, mesh=full_mesh, dp_mesh_dims=...)`` on parameters
+    that are already DTensors on ``full_mesh`` (``Replicate()`` on these dims).
+
+    Attributes:
+        shard: mesh dim name(s) FSDP shards parameters over; several names
+            are flattened into one shard dim.
+        replicate: mesh dim name(s) parameters stay replicated over (HSDP
+            with ``shard``, DDP-like without it); several names are flattened.
+
+    At least one of the two must be set.
+    """
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError(
+                "At least one of shard or replicate must be set in DataParallelMeshDims"
+            )
+        _dim_names("shard", self.shard)
+        _dim_names("replicate", self.replicate)
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        """``shard`` as a tuple of names (empty if ``None``)."""
+        return _dim_names("shard", self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        """``replicate`` as a tuple of names (empty if ``None``)."""
+        return _dim_names("replicate", self.replicate)
 
 
 class Comm(ABC):

@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from ._mesh import MeshInfo, default_mesh, mesh_info
+from ._mesh import MeshInfo, default_mesh, mesh_info, spmd_mesh_info
 from ._module import (
     FSDPModule,
     UnshardHandle,
@@ -24,8 +24,8 @@ from ._module import (
 from ._param import FSDPParam
 from ._param_group import ParamGroup
 from ._state import FSDPState, state_of
-from ._state_dict import register_load_hooks
-from .api import MixedPrecisionPolicy, OffloadPolicy
+from ._state_dict import register_state_dict_hooks
+from .api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
     "FSDPModule",
@@ -48,6 +48,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
 ) -> FSDPModule: ...
 
 
@@ -61,6 +62,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
 ) -> list[FSDPModule]: ...
 
 
@@ -73,6 +75,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> Any:
     """Shard ``module``'s parameters across ``mesh`` and train it data-parallel.
 
@@ -114,6 +117,19 @@ def fully_shard(
         offload_policy: see :class:`OffloadPolicy` / :class:`CPUOffloadPolicy`.
         ignored_params: parameters left as they are: not sharded, not moved,
             gradients not reduced.
+        dp_mesh_dims: a :class:`DataParallelMeshDims` saying which dims of
+            ``mesh`` are data parallel. ``mesh`` is then the full SPMD mesh
+            (e.g. ``("dp", "tp")``) and every managed parameter must already be
+            a DTensor on it with ``Replicate()`` on those dims (e.g. TP
+            placements on ``"tp"``). ``shard`` names the dim(s) to shard over,
+            ``replicate`` the dim(s) to replicate over (HSDP with ``shard``;
+            without it, plain replication with all-reduced gradients); several
+            names are flattened into one dim. The sharded parameters are
+            DTensors on ``mesh`` with ``Shard(0)`` (``_StridedShard`` when a dim
+            to its right also shards dim 0) on the shard dim, other placements
+            kept; with several shard names, on ``mesh`` with those dims
+            replaced by the flattened one. Same collectives as
+            ``fully_shard(module, mesh=mesh["dp"])`` on TP parameters.
 
     Returns:
         ``module`` (or the list), now :class:`FSDPModule` instances.
@@ -123,9 +139,15 @@ def fully_shard(
             parameters shared with another group, mixed parameter dtypes.
     """
     modules = _check_modules(module)
-    if mesh is None:
-        mesh = default_mesh()
-    info = mesh_info(mesh)
+    if dp_mesh_dims is not None:
+        if mesh is None:
+            raise ValueError(
+                "fully_shard(dp_mesh_dims=...) needs mesh=, the full mesh with named dims "
+                "that the parameters are DTensors on"
+            )
+        info = spmd_mesh_info(mesh, dp_mesh_dims)
+    else:
+        info = mesh_info(default_mesh() if mesh is None else mesh)
     post_forward = normalize_reshard_after_forward(reshard_after_forward, info.shard_size)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
@@ -151,7 +173,7 @@ def fully_shard(
             reshard_after_forward=post_forward,
             name=name,
         )
-        register_load_hooks(group)
+        register_state_dict_hooks(group)
         for orig in originals:  # sharing one with a later group is an error
             setattr(orig, _OWNER_ATTR, name)
     _move_buffers(modules, info.device)
