@@ -3,12 +3,25 @@
 
 Import it as a submodule (``from fsdp2.fsdp1 import shard_model, ShardingStrategy``); the core
 never imports it. The names and fields follow FSDP1's ``api`` module (torch 2.13), but
-the classes are our own. See [Note: FSDP1 mapping].
+the classes are our own; torch's FSDP1 enums, ``MixedPrecision``, ``CPUOffload`` and wrap
+policies are accepted too (duck-typed: nothing here imports torch's FSDP1). See
+[Note: FSDP1 mapping].
 
 [Note: FSDP1 mapping]
 ``shard_model`` calls ``fully_shard`` on every wrap unit the policy selects, children before
 parents (post-order), then on the root, so each unit is one parameter group as in FSDP1.
 
+* ``auto_wrap_policy``: the units are the modules FSDP1 wraps for the same policy. Policy
+  objects (anything with FSDP1's ``_run_policy``: ``ModuleWrapPolicy``, ``CustomPolicy``) and
+  sets of classes select modules up front; a ``CustomPolicy`` kwargs dict may override
+  ``sharding_strategy`` (same mesh: reshard-after-forward only) and ``mixed_precision``.
+  Policy functions ``(module, recurse, nonwrapped_numel)`` (detected by signature, partials
+  included) run FSDP1's recursion: ``recurse=True`` asks whether to descend, ``recurse=False``
+  whether to wrap, ``nonwrapped_numel`` is the subtree's parameter numel minus what its
+  children wrapped; the root is never asked to wrap. With ``mixed_precision`` FSDP1 ORs the
+  policy with "is a ``_module_classes_to_ignore`` module", which also makes it descend
+  everywhere; so does ``shard_model``. A ``module -> bool`` callable is asked once per
+  module, children first. ``ignored_modules`` and their subtrees are never selected.
 * ``FULL_SHARD`` / ``SHARD_GRAD_OP``: 1D mesh, ``reshard_after_forward`` ``True`` / ``False``.
 * ``NO_SHARD``: 2D mesh ``(world, 1)`` named ``("replicate", "shard")``: every rank keeps the
   whole parameters and gradients are all-reduced.
@@ -19,14 +32,22 @@ parents (post-order), then on the root, so each unit is one parameter group as i
   ``cast_forward_inputs`` for non-root units and ``cast_root_forward_inputs`` for the root;
   ``buffer_dtype`` casts the floating-point buffers once, in place; modules of
   ``_module_classes_to_ignore`` become their own units with full precision (their inputs are
-  cast to their parameters' dtype), as FSDP1 wraps them separately without mixed precision.
+  cast to their parameters' dtype, their outputs back to the inputs' dtype), as FSDP1 wraps
+  them separately without mixed precision; with no ``auto_wrap_policy`` FSDP1 does not, and
+  neither does ``shard_model`` (they run in ``param_dtype`` in the root unit).
+  ``keep_low_precision_grads``: hooks outside the core cast the sharded gradients to
+  ``param_dtype`` after each backward and back before the next one accumulates, as FSDP1.
 * ``CPUOffload(offload_params=True)``: ``CPUOffloadPolicy(pin_memory=<accelerator available>)``.
-* ``BackwardPrefetch.BACKWARD_PRE``, ``BACKWARD_POST`` and ``None``: fsdp2's implicit backward
-  prefetch (the previous unit in post-forward order), which is what ``BACKWARD_PRE`` does;
-  ``BACKWARD_POST`` has no separate schedule.
-* ``forward_prefetch=True``: each unit (in ``model.modules()`` order, root first) prefetches the
-  next one with ``set_modules_to_forward_prefetch``. FSDP1 records the order of the first
-  iteration instead; for models that run their units in definition order it is the same.
+* ``BackwardPrefetch.BACKWARD_PRE`` / ``BACKWARD_POST``: fsdp2's implicit backward prefetch
+  (the next unit in reverse post-forward order, as both FSDP1 modes pick), issued in the
+  current unit's pre-backward for both (FSDP1 issues ``BACKWARD_POST``'s after the unit's
+  gradient computation). ``None``: no backward prefetch (empty
+  ``set_modules_to_backward_prefetch`` lists).
+* ``forward_prefetch``: fsdp2's implicit forward prefetch already all-gathers, in each unit's
+  pre-forward, the unit that ran after it in the previous forward: FSDP1's
+  ``forward_prefetch=True`` schedule (the first iteration's order, nothing prefetched in the
+  first iteration) for static models. Nothing explicit is set, for ``False`` either (FSDP1
+  would not prefetch; fsdp2 still does).
 * ``ignored_modules``: their parameters are passed as ``ignored_params`` to every call; the
   modules are neither wrapped nor descended into.
 """
@@ -34,16 +55,18 @@ parents (post-order), then on the root, so each unit is one parameter group as i
 from __future__ import annotations
 
 import enum
+import inspect
 import os
-import warnings
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, fields
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ._fsdp1_state import (
     FullOptimStateDictConfig,
@@ -59,7 +82,13 @@ from ._fsdp1_state import (
     _as_enum,
     _device_type,
     get_state_dict,
+    get_state_dict_type,
+    init_optim_state,
     load_state_dict,
+    optim_state_dict,
+    optim_state_dict_to_load,
+    set_state_dict_type,
+    state_dict_type,
     strip_fsdp1_prefixes,
     summon_full_params,
 )
@@ -82,9 +111,15 @@ __all__ = [
     "StateDictSettings",
     "StateDictType",
     "get_state_dict",
+    "get_state_dict_type",
+    "init_optim_state",
     "load_state_dict",
+    "optim_state_dict",
+    "optim_state_dict_to_load",
+    "set_state_dict_type",
     "shard_model",
     "size_based_policy",
+    "state_dict_type",
     "strip_fsdp1_prefixes",
     "summon_full_params",
 ]
@@ -104,11 +139,11 @@ class ShardingStrategy(enum.Enum):
 
 
 class BackwardPrefetch(enum.Enum):
-    """When backward all-gathers the next unit's parameters (FSDP1's names); both map to
-    fsdp2's implicit backward prefetch, see [Note: FSDP1 mapping]."""
+    """When backward all-gathers the next unit's parameters (FSDP1's names); ``None`` in
+    ``shard_model`` turns backward prefetch off. See [Note: FSDP1 mapping]."""
 
     BACKWARD_PRE = enum.auto()  # before the current unit's gradient computation
-    BACKWARD_POST = enum.auto()  # after it (same schedule in fsdp2)
+    BACKWARD_POST = enum.auto()  # after it (fsdp2 issues it before, as BACKWARD_PRE)
 
 
 @dataclass(frozen=True)
@@ -121,12 +156,15 @@ class MixedPrecision:
         reduce_dtype: dtype of gradient reduction; ``None`` reduces in ``param_dtype``.
         buffer_dtype: dtype floating-point buffers are cast to (once, in place); ``None``
             leaves them alone.
-        keep_low_precision_grads: FSDP1 keeps gradients in ``param_dtype``; fsdp2 always
-            returns gradients in the sharded parameters' dtype, so ``True`` only warns.
+        keep_low_precision_grads: after each backward the sharded parameters' ``.grad`` is
+            cast to ``param_dtype`` (the parameters stay in full precision, so the optimizer
+            must accept that); it is cast back at the next backward, which accumulates in full
+            precision. Reduction still runs in ``reduce_dtype``: this saves gradient memory
+            between backward and ``zero_grad``, not communication.
         cast_forward_inputs: cast floating-point inputs of non-root units to ``param_dtype``.
         cast_root_forward_inputs: cast floating-point inputs of the root to ``param_dtype``.
-        _module_classes_to_ignore: modules of these classes become their own units, kept in
-            full precision.
+        _module_classes_to_ignore: with an ``auto_wrap_policy``, modules of these classes become
+            their own units, kept in full precision.
     """
 
     param_dtype: torch.dtype | None = None
@@ -167,22 +205,41 @@ class CPUOffload:
     offload_params: bool = False
 
 
+def _as_config(cls: type[_V], value: object, what: str) -> _V:
+    """``value`` if it is a ``cls``; torch's FSDP1 dataclass of the same name converted field
+    by field (so FSDP1 objects can be passed while imports move over); else ``TypeError``."""
+    if isinstance(value, cls):
+        return value
+    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    if type(value).__name__ == cls.__name__ and all(hasattr(value, n) for n in names):
+        return cls(**{n: getattr(value, n) for n in names})
+    raise TypeError(f"shard_model: {what} must be fsdp2.fsdp1.{cls.__name__}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class _SizeBasedPolicy:
     min_num_params: int
 
-    def __call__(self, module: nn.Module) -> bool:
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-            return False  # no forward: fully_shard rejects containers
-        return _nonwrapped_numel(module) >= self.min_num_params
+    def __call__(
+        self, module: nn.Module, recurse: bool = False, nonwrapped_numel: int | None = None
+    ) -> bool:
+        if nonwrapped_numel is None:
+            nonwrapped_numel = _nonwrapped_numel(module)
+        large = nonwrapped_numel >= self.min_num_params
+        if recurse:
+            return large and not isinstance(module, nn.MultiheadAttention)
+        # no forward: fully_shard rejects containers
+        return large and not isinstance(module, (nn.ModuleList, nn.ModuleDict))
 
 
-def size_based_policy(min_num_params: int = int(1e8)) -> Callable[[nn.Module], bool]:
-    """An auto-wrap policy (FSDP1's ``size_based_auto_wrap_policy``): wrap a module if its
-    subtree holds at least ``min_num_params`` parameter elements not already in a wrapped
-    unit below it (``shard_model`` visits children first). Shared parameters count once.
-    ``nn.ModuleList``/``nn.ModuleDict`` are never selected (``fully_shard`` needs a forward);
-    their parameters count toward the enclosing module."""
+def size_based_policy(min_num_params: int = int(1e8)) -> Callable[..., bool]:
+    """An auto-wrap policy with the selection of FSDP1's ``size_based_auto_wrap_policy``
+    (default ``force_leaf_modules`` / ``exclude_wrap_modules``): wrap a module if its subtree
+    holds at least ``min_num_params`` parameter elements not in a unit wrapped below it
+    (``shard_model`` visits children first); descend only into subtrees of at least that size
+    and never into ``nn.MultiheadAttention``. ``nn.ModuleList``/``nn.ModuleDict`` are never
+    selected; their parameters count toward the enclosing module. Shared parameters count
+    once per subtree. Also callable as ``policy(module)`` (counting what is not wrapped yet)."""
     if not isinstance(min_num_params, int) or min_num_params < 0:
         raise ValueError(
             f"size_based_policy: min_num_params must be an int >= 0, got {min_num_params!r}"
@@ -190,7 +247,8 @@ def size_based_policy(min_num_params: int = int(1e8)) -> Callable[[nn.Module], b
     return _SizeBasedPolicy(min_num_params)
 
 
-AutoWrapPolicy = set[type[nn.Module]] | frozenset[type[nn.Module]] | Callable[[nn.Module], bool]
+AutoWrapPolicy = set[type[nn.Module]] | frozenset[type[nn.Module]] | Callable[..., object]
+_RecursivePolicy = Callable[[nn.Module, bool, int], bool]
 
 
 def shard_model(
@@ -213,16 +271,22 @@ def shard_model(
 
     Args:
         model: the root module; ``torch.distributed`` must be initialized.
-        auto_wrap_policy: a set of module classes (FSDP1's ``ModuleWrapPolicy``), a
-            ``size_based_policy(n)``, or any ``module -> bool``; ``None`` wraps only the root.
-            Callables see modules children-first, after the wrapped children became
-            ``FSDPModule``s.
+        auto_wrap_policy: selects the units, as FSDP1 does with the same policy: a set of
+            module classes; torch's FSDP1 policy objects as they are (``ModuleWrapPolicy``,
+            ``CustomPolicy``; a ``CustomPolicy`` dict may override ``sharding_strategy`` within
+            the same mesh and ``mixed_precision``); FSDP1 policy functions
+            ``(module, recurse, nonwrapped_numel) -> bool`` (``functools.partial`` of torch's
+            ``size_based_auto_wrap_policy``, ``transformer_auto_wrap_policy``,
+            ``lambda_auto_wrap_policy``, ``_or_policy``, or your own); ``size_based_policy(n)``;
+            or any ``module -> bool``, asked children first, after the wrapped children became
+            ``FSDPModule``s. ``None`` wraps only the root.
         sharding_strategy: a ``ShardingStrategy`` (torch's enum of the same name is accepted).
-        mixed_precision: a ``MixedPrecision`` or ``None`` (full precision).
-        cpu_offload: ``CPUOffload(offload_params=True)`` offloads to CPU.
-        backward_prefetch: ``BACKWARD_PRE``, ``BACKWARD_POST`` or ``None``: all use fsdp2's
-            implicit backward prefetch.
-        forward_prefetch: each unit explicitly prefetches the next one in forward.
+        mixed_precision: a ``MixedPrecision`` (or torch's) or ``None`` (full precision).
+        cpu_offload: ``CPUOffload(offload_params=True)`` (or torch's) offloads to CPU.
+        backward_prefetch: ``BACKWARD_PRE`` or ``BACKWARD_POST``: fsdp2's implicit backward
+            prefetch; ``None``: no backward prefetch.
+        forward_prefetch: accepted; fsdp2 always prefetches the unit that ran next in the
+            previous forward (FSDP1's ``forward_prefetch=True`` schedule).
         device_mesh: 1D for ``FULL_SHARD``/``SHARD_GRAD_OP``, 2D ``(replicate, shard)`` for the
             hybrid strategies; ``None`` builds one over the default process group.
         ignored_modules: modules whose parameters are left alone (not sharded, not reduced).
@@ -230,7 +294,8 @@ def shard_model(
     Raises:
         ValueError: the world size does not split into nodes of ``LOCAL_WORLD_SIZE`` ranks, a
             mesh of the wrong dimension for the strategy, the root in ``ignored_modules``, a
-            bad policy, or any error of ``fully_shard`` (e.g. a policy selecting a container).
+            bad policy or ``CustomPolicy`` override, or any error of ``fully_shard`` (e.g. a
+            policy selecting a container).
         TypeError: arguments of the wrong type.
     """
     if not isinstance(model, nn.Module):
@@ -238,84 +303,119 @@ def shard_model(
     strategy = _as_enum(ShardingStrategy, sharding_strategy, "sharding_strategy")
     if backward_prefetch is not None:
         _as_enum(BackwardPrefetch, backward_prefetch, "backward_prefetch")
-    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-        raise TypeError(
-            "shard_model: mixed_precision must be fsdp2.fsdp1.MixedPrecision, "
-            f"got {type(mixed_precision).__name__}"
-        )
-    if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
-        raise TypeError(
-            "shard_model: cpu_offload must be fsdp2.fsdp1.CPUOffload, "
-            f"got {type(cpu_offload).__name__}"
-        )
-    should_wrap = _policy_fn(auto_wrap_policy)
-    ignored = set(ignored_modules or ())
-    if model in ignored:
+    mp = None
+    if mixed_precision is not None:
+        mp = _as_config(MixedPrecision, mixed_precision, "mixed_precision")
+    if cpu_offload is not None:
+        cpu_offload = _as_config(CPUOffload, cpu_offload, "cpu_offload")
+    ignored_roots = set(ignored_modules or ())
+    if model in ignored_roots:
         raise ValueError("shard_model: the root module cannot be in ignored_modules")
+    ignored = {m for root in ignored_roots for m in root.modules()}  # as FSDP1: whole subtrees
     ignored_params = {p for m in ignored for p in m.parameters()}
+    root_kwargs: dict[str, object] = {
+        "sharding_strategy": sharding_strategy,
+        "mixed_precision": mixed_precision,
+        "cpu_offload": cpu_offload,
+        "backward_prefetch": backward_prefetch,
+        "forward_prefetch": forward_prefetch,
+        "device_mesh": device_mesh,
+    }
+    targets, recursive = _resolve_policy(auto_wrap_policy, model, ignored, root_kwargs)
 
     mesh = _mesh_for(strategy, device_mesh)
-    reshard = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
     offload: OffloadPolicy = OffloadPolicy()
     if cpu_offload is not None and cpu_offload.offload_params:
         offload = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
 
-    mp = mixed_precision
     full_precision_classes: tuple[type[nn.Module], ...] = ()
     if mp is not None:
-        full_precision_classes = tuple(mp._module_classes_to_ignore)
-        if mp.keep_low_precision_grads:
-            warnings.warn(
-                "MixedPrecision.keep_low_precision_grads=True is ignored: fsdp2 returns "
-                "gradients in the sharded parameters' dtype",
-                stacklevel=2,
-            )
+        if auto_wrap_policy is not None:  # FSDP1 applies them only when auto-wrapping
+            full_precision_classes = tuple(mp._module_classes_to_ignore)
         if mp.buffer_dtype is not None:
             _cast_buffers(model, mp.buffer_dtype, ignored, full_precision_classes)
+    low_precision_grads: list[tuple[FSDPModule, torch.dtype]] = []
 
-    def shard(module: nn.Module, is_root: bool) -> None:
+    def shard(module: nn.Module, is_root: bool, overrides: dict[str, object]) -> None:
+        unit_strategy, unit_mp = strategy, mp
+        for key, value in overrides.items():
+            if key == "sharding_strategy":
+                unit_strategy = _as_enum(ShardingStrategy, value, "sharding_strategy")
+                if _mesh_kind(unit_strategy) != _mesh_kind(strategy):
+                    raise ValueError(
+                        f"shard_model: auto_wrap_policy overrides sharding_strategy of "
+                        f"{type(module).__name__} with {unit_strategy.name}, which needs another "
+                        f"mesh than {strategy.name}; only FULL_SHARD <-> SHARD_GRAD_OP and "
+                        "HYBRID_SHARD <-> _HYBRID_SHARD_ZERO2 can be mixed"
+                    )
+            elif key == "mixed_precision":
+                unit_mp = None if value is None else _as_config(MixedPrecision, value, key)
+            else:
+                raise ValueError(
+                    f"shard_model: auto_wrap_policy overrides {key!r} of "
+                    f"{type(module).__name__}; only sharding_strategy and mixed_precision "
+                    "overrides are supported"
+                )
         mp_policy = MixedPrecisionPolicy()
         if isinstance(module, full_precision_classes):
             dtype = next((p.dtype for p in module.parameters()), None)
             mp_policy = MixedPrecisionPolicy(
                 param_dtype=dtype, cast_forward_inputs=dtype is not None
             )
-        elif mp is not None:
-            cast = mp.cast_root_forward_inputs if is_root else mp.cast_forward_inputs
+        elif unit_mp is not None:
+            cast = unit_mp.cast_root_forward_inputs if is_root else unit_mp.cast_forward_inputs
             mp_policy = MixedPrecisionPolicy(
-                param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype, cast_forward_inputs=cast
+                param_dtype=unit_mp.param_dtype,
+                reduce_dtype=unit_mp.reduce_dtype,
+                cast_forward_inputs=cast,
             )
-        fully_shard(
+        unit = fully_shard(
             module,
             mesh=mesh,
-            reshard_after_forward=reshard,
+            reshard_after_forward=unit_strategy
+            in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
             mp_policy=mp_policy,
             offload_policy=offload,
             ignored_params=ignored_params or None,
         )
+        if isinstance(module, full_precision_classes):
+            _cast_outputs_to_input_dtype(module)
+        if (
+            unit_mp is not None
+            and unit_mp.keep_low_precision_grads
+            and unit_mp.param_dtype is not None
+            and not isinstance(module, full_precision_classes)
+        ):
+            low_precision_grads.append((unit, unit_mp.param_dtype))
 
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            if child not in ignored:
-                visit(child)
-        if module is model or isinstance(module, FSDPModule):
-            return
-        if isinstance(module, full_precision_classes) or should_wrap(module):
-            shard(module, is_root=False)
+    if recursive is not None:
+        _recursive_wrap(model, recursive, mp is not None, full_precision_classes, ignored, shard)
+    else:
+        assert targets is not None
+        if mp is not None:  # FSDP1 wraps these on their own, whatever the policy
+            for m in model.modules():
+                if m not in ignored and isinstance(m, full_precision_classes):
+                    targets.setdefault(m, {})
+        _post_order_wrap(model, targets, ignored, shard)
+    shard(model, True, {})
 
-    visit(model)
-    shard(model, is_root=True)
-
-    if forward_prefetch:
-        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        for unit, nxt in zip(units[:-1], units[1:], strict=True):
-            unit.set_modules_to_forward_prefetch([nxt])
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if backward_prefetch is None:
+        for unit in units:
+            unit.set_modules_to_backward_prefetch([])
+    if low_precision_grads:
+        _LowPrecisionGrads(model, low_precision_grads)
     return model
 
 
-def _policy_fn(policy: object) -> Callable[[nn.Module], bool]:
+def _resolve_policy(
+    policy: object, model: nn.Module, ignored: set[nn.Module], root_kwargs: dict[str, object]
+) -> tuple[dict[nn.Module, dict[str, object]] | None, _RecursivePolicy | None]:
+    """Either the units to wrap (module -> overrides of the root's arguments; FSDP1's
+    ``_Policy`` objects and sets of classes) or a recursive policy (FSDP1's policy
+    functions, called as ``(module, recurse, nonwrapped_numel)``)."""
     if policy is None:
-        return lambda module: False
+        return {}, None
     if isinstance(policy, (set, frozenset)):
         classes = tuple(policy)
         for cls in classes:
@@ -323,13 +423,199 @@ def _policy_fn(policy: object) -> Callable[[nn.Module], bool]:
                 raise ValueError(
                     f"shard_model: auto_wrap_policy set must hold nn.Module classes, got {cls!r}"
                 )
-        return lambda module: isinstance(module, classes)
+        return {m: {} for m in model.modules() if m not in ignored and isinstance(m, classes)}, None
+    run_policy = getattr(policy, "_run_policy", None)
+    if callable(run_policy):  # FSDP1's policy objects (ModuleWrapPolicy, CustomPolicy, ...)
+        chosen = run_policy(model, ignored, dict(root_kwargs))
+        targets: dict[nn.Module, dict[str, object]] = {}
+        for module, kwargs in chosen.items():
+            targets[module] = {
+                k: v
+                for k, v in kwargs.items()
+                if k not in root_kwargs or not (v is root_kwargs[k] or v == root_kwargs[k])
+            }
+        return targets, None
     if callable(policy):
-        return policy
+        three = _as_recursive(policy)
+        if three is not None:
+            return None, three
+        one = policy
+
+        def recursive(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+            return recurse or bool(one(module))
+
+        return None, recursive
     raise ValueError(
-        "shard_model: auto_wrap_policy must be None, a set of module classes, "
+        "shard_model: auto_wrap_policy must be None, a set of module classes, an FSDP1 policy "
+        "(ModuleWrapPolicy, CustomPolicy, or a function (module, recurse, nonwrapped_numel)), "
         f"size_based_policy(n) or a callable module -> bool, got {policy!r}"
     )
+
+
+def _as_recursive(fn: Callable[..., object]) -> _RecursivePolicy | None:
+    """``fn`` as ``(module, recurse, nonwrapped_numel) -> bool`` if its signature takes those
+    three arguments (by FSDP1's keyword names, or else positionally), else ``None``."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        sig.bind(module=None, recurse=True, nonwrapped_numel=0)
+    except TypeError:
+        pass
+    else:
+        return lambda m, r, n: bool(fn(module=m, recurse=r, nonwrapped_numel=n))
+    try:
+        sig.bind(None, True, 0)
+    except TypeError:
+        return None
+    return lambda m, r, n: bool(fn(m, r, n))
+
+
+def _recursive_wrap(
+    model: nn.Module,
+    policy: _RecursivePolicy,
+    has_mp: bool,
+    full_precision_classes: tuple[type[nn.Module], ...],
+    ignored: set[nn.Module],
+    shard: Callable[[nn.Module, bool, dict[str, object]], None],
+) -> None:
+    """FSDP1's selection for policy functions: ask ``policy(module, True, numel)`` whether to
+    descend, wrap the children's subtrees, then ask ``policy(module, False, remainder)``
+    (``remainder``: the subtree's parameter numel minus what the children wrapped) whether to
+    wrap the module. The root is only descended into. With mixed precision FSDP1 ORs the
+    policy with "is a ``_module_classes_to_ignore`` module", which also makes it descend
+    everywhere."""
+    ignored_params = {p for m in ignored for p in m.parameters()}
+
+    def wants(module: nn.Module, recurse: bool, numel: int) -> bool:
+        if policy(module, recurse, numel):
+            return True
+        return has_mp and (recurse or isinstance(module, full_precision_classes))
+
+    def visit(module: nn.Module, is_root: bool) -> int:
+        numel = sum(p.numel() for p in module.parameters() if p not in ignored_params)
+        if isinstance(module, FSDPModule) and not is_root:
+            return numel  # already sharded (a module shared by two parents)
+        if not wants(module, True, numel):
+            return 0
+        wrapped = sum(visit(c, False) for c in module.children() if c not in ignored)
+        if not is_root and wants(module, False, numel - wrapped):
+            shard(module, False, {})
+            return numel
+        return wrapped
+
+    visit(model, True)
+
+
+def _post_order_wrap(
+    model: nn.Module,
+    targets: dict[nn.Module, dict[str, object]],
+    ignored: set[nn.Module],
+    shard: Callable[[nn.Module, bool, dict[str, object]], None],
+) -> None:
+    """Shard the ``targets`` (but the root) children first, each module once."""
+    seen = {model}
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if child not in seen and child not in ignored:
+                seen.add(child)
+                visit(child)
+        if module is not model and module in targets and not isinstance(module, FSDPModule):
+            shard(module, False, targets[module])
+
+    visit(model)
+
+
+class _LowPrecisionGrads:
+    """``MixedPrecision.keep_low_precision_grads``, as FSDP1: when a backward ends (after
+    fsdp2's final callback), the sharded parameters' gradients become ``param_dtype``
+    tensors (the parameters keep their dtype: ``grad_dtype`` is relaxed); when the next
+    backward starts they are cast back, so that accumulation runs in full precision."""
+
+    def __init__(self, root: nn.Module, units: list[tuple[FSDPModule, torch.dtype]]) -> None:
+        self.units = units
+        self.queued = False
+        root.register_forward_hook(self._hook_outputs)
+
+    def _params(self) -> Iterator[tuple[nn.Parameter, torch.dtype]]:
+        for unit, dtype in self.units:
+            group = unit._fsdp_state().group
+            if group is not None:
+                for p in group.params:
+                    yield p.sharded, dtype
+
+    def _hook_outputs(self, module: nn.Module, args: object, output: object) -> None:
+        if not torch.is_grad_enabled():
+            return
+        self.queued = False  # a backward that raised never ran its callbacks
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._backward_starts)
+
+    def _backward_starts(self, grad: torch.Tensor) -> None:
+        if self.queued:
+            return
+        self.queued = True
+        with torch.no_grad():
+            for param, _ in self._params():
+                g = param.grad
+                if g is not None and g.dtype != param.dtype:
+                    param.grad = g.to(param.dtype)
+        engine = Variable._execution_engine
+        # fsdp2's final callback was queued by an earlier hook of this backward; a callback
+        # queued from a callback runs after every one queued before it
+        engine.queue_callback(lambda: engine.queue_callback(self._backward_ends))
+
+    def _backward_ends(self) -> None:
+        self.queued = False
+        with torch.no_grad():
+            for param, dtype in self._params():
+                g = param.grad
+                if g is not None and g.dtype != dtype:
+                    param.grad_dtype = None  # let a full-precision parameter hold it
+                    param.grad = g.to(dtype)
+
+
+def _cast_outputs_to_input_dtype(module: nn.Module) -> None:
+    """As FSDP1 does for ``_module_classes_to_ignore`` modules: cast the floating-point outputs
+    back to the dtype of the first floating-point input (before ``fully_shard`` casts it), so
+    the units after it see low-precision activations again."""
+    seen: list[torch.dtype | None] = []
+
+    def pre(mod: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
+        floats = [
+            t
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor) and t.is_floating_point()
+        ]
+        seen.append(floats[0].dtype if floats else None)
+
+    def post(
+        mod: nn.Module, args: tuple[object, ...], kwargs: dict[str, object], output: object
+    ) -> object:
+        dtype = seen.pop() if seen else None
+        if dtype is None:
+            return output
+
+        def cast(t: object) -> object:
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
+                return t.to(dtype)
+            return t
+
+        return tree_map(cast, output)
+
+    module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)  # before fsdp2's cast
+    module.register_forward_hook(post, with_kwargs=True)
+
+
+def _mesh_kind(strategy: ShardingStrategy) -> str:
+    if strategy is ShardingStrategy.NO_SHARD:
+        return "replicate"
+    if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
+        return "hybrid"
+    return "shard"
 
 
 def _nonwrapped_numel(module: nn.Module) -> int:
