@@ -299,3 +299,50 @@ def _other_strategies(strategy: str) -> None:
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_other_strategies(world_size: int, strategy: str) -> None:
     run_on_ranks(world_size, _other_strategies, strategy)
+
+
+def _summon_layouts(layout: str) -> None:
+    """summon_full_params on HSDP (2x2), mixed precision and CPU offload models: full values
+    in the parameters' own dtype (fp32, not the bf16 ``param_dtype``), writeback lands in
+    every shard and replica, training goes on."""
+    from fsdp2.fsdp1 import CPUOffload, MixedPrecision, ShardingStrategy
+
+    kw: dict[str, object] = {}
+    if layout == "hybrid":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kw["sharding_strategy"] = ShardingStrategy.HYBRID_SHARD
+        kw["device_mesh"] = init_device_mesh(
+            "cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard")
+        )
+    elif layout == "bf16_offload":
+        kw["mixed_precision"] = MixedPrecision(torch.bfloat16, torch.float32)
+        kw["cpu_offload"] = CPUOffload(offload_params=True)
+    ref = build(MODEL)
+    ours = shard_model(build(MODEL), auto_wrap_policy={MLPBlock}, **kw)
+    x, y = make_batch(MODEL, 0)
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    local_loss(ours, MODEL, rank_slice(x, rank, ws), rank_slice(y, rank, ws)).backward()
+    ref_params = {n: p.detach() for n, p in ref.named_parameters()}
+    with summon_full_params(ours, with_grads=True):
+        for name, p in ours.named_parameters():
+            assert not isinstance(p, DTensor), f"{layout}: {name} is still a DTensor"
+            assert p.dtype == torch.float32, f"{layout}: {name} gathered as {p.dtype}"
+            _close(p, ref_params[name], f"{layout} full {name}")
+            assert p.grad is not None and p.grad.shape == p.shape, name
+        with torch.no_grad():
+            for p in ours.parameters():
+                p.mul_(2.0)
+    _check_full_params(ours, {n: 2.0 * t for n, t in ref_params.items()}, f"{layout} writeback")
+    for n, p in ours.named_parameters():  # every replica got the edit, not just one
+        gathered: list[torch.Tensor | None] = [None] * ws  # shards differ in size: objects
+        dist.all_gather_object(gathered, p.to_local().detach())
+        if layout == "hybrid":  # ranks r and r + 2 hold the same shard
+            _close(gathered[rank % 2], gathered[rank % 2 + 2], f"replicas of {n}")
+    ours.zero_grad()
+    local_loss(ours, MODEL, rank_slice(x, rank, ws), rank_slice(y, rank, ws)).backward()
+
+
+@pytest.mark.parametrize("layout", ["hybrid", "bf16_offload"])
+def test_summon_hsdp_mixed_precision_offload(layout: str) -> None:
+    run_on_ranks(4, _summon_layouts, layout)
