@@ -216,6 +216,17 @@ def spmd_mesh_info(mesh: DeviceMesh, dims: object) -> MeshInfo:
     return replace(info, spmd=spmd)
 
 
+def shard_mesh(info: MeshInfo) -> DeviceMesh:
+    """The 1D mesh of the shard dim (the mesh itself for FSDP; for HSDP its last dim)."""
+    mesh = info.mesh
+    if mesh.ndim == 1:
+        return mesh
+    names = mesh.mesh_dim_names
+    if names is not None:
+        return mesh[names[-1]]
+    return DeviceMesh.from_group(info.shard_group, mesh.device_type)
+
+
 def post_forward_group(info: MeshInfo, reshard_size: int) -> tuple[dist.ProcessGroup, int]:
     """The group of ``reshard_size`` consecutive shard ranks this rank belongs to
     (for ``reshard_after_forward=int``), and this rank's index in it.

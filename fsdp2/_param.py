@@ -28,7 +28,9 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ._extension import Extension, extension_of
 from ._mesh import MeshInfo, SPMDMesh
+from ._storage import contiguous_stride as _contiguous_stride
 
 
 def chunk_rows(dim_size: int, world_size: int, rank: int) -> tuple[int, int, int]:
@@ -68,6 +70,7 @@ class FSDPParam:
         "spec",
         "tp",
         "global_shape",
+        "ext",
     )
 
     def __init__(
@@ -98,6 +101,15 @@ class FSDPParam:
                 "parallel dims), e.g. from distribute_tensor / distribute_module"
             )
         self.shape = param.shape
+        # Tensor subclasses with torch's all-gather hooks keep their own storage
+        # (see [Note: all-gather extensions] in _extension.py); others are rejected.
+        self.ext: Extension | None = extension_of(param, fqn)
+        if self.ext is not None and (param.dim() == 0 or shard_dim != 0):
+            raise NotImplementedError(
+                f"parameter {fqn} is a tensor subclass with all-gather hooks "
+                f"({type(param).__qualname__}); fsdp2 shards those on dim 0 only, and not "
+                "0-dim ones: return None from shard_placement_fn for it"
+            )
         # 0-dim parameters are replicated (see [Note: scalars] in _param_group.py).
         self.is_scalar = param.dim() == 0
         self.shard_dim = shard_dim
@@ -157,6 +169,36 @@ class FSDPParam:
         self.spec = self.sharded._spec  # reused for every gradient: see land_grads
         return self.sharded
 
+    def make_sharded_ext(
+        self, t: torch.Tensor, info: MeshInfo, device: torch.device, pin: bool
+    ) -> nn.Parameter:
+        """The sharded parameter of an extension parameter: a DTensor around this
+        rank's chunk of ``t`` as a tensor of ``t``'s own subclass, in its own storage
+        (built with the ops such subclasses implement for torch's FSDP2)."""
+        full = t.detach()
+        rows = self.local_shape[0]
+        padded_shape = (self.padded_numel // max(self.row_numel, 1), *self.local_shape[1:])
+        # chunk, new_zeros, narrow and copy_: the ops torch's FSDP2 uses, so the ones
+        # these subclasses implement (NF4 slices only whole dims, e.g.).
+        local = full.new_zeros(padded_shape)
+        if self.local_numel:
+            chunk = torch.chunk(full, info.shard_size)[info.shard_rank]
+            local.narrow(0, 0, rows).copy_(chunk)
+        if rows != padded_shape[0]:
+            local = local.narrow(0, 0, rows)
+        if not local.is_meta and local.device != device:
+            local = local.to(device)
+        if pin and not local.is_meta:
+            local = local.pin_memory()
+        placements = info.placements(0)
+        mesh = info.mesh
+        if self.tp is not None:
+            mesh, placements = self.tp.sharded_layout(info, placements, 0)
+        spec = _spec(mesh, tuple(placements), self.global_shape, local.dtype)
+        self.sharded = _dtensor_param(local, spec, self.requires_grad)
+        self.spec = self.sharded._spec
+        return self.sharded
+
     def wrap_unsharded(self, view: torch.Tensor) -> torch.Tensor:
         """The tensor the unsharded parameter wraps: ``view`` itself, or for TP
         parameters a DTensor on the TP mesh around it."""
@@ -174,10 +216,6 @@ class FSDPParam:
     def grad_dtensor(self, local: torch.Tensor) -> DTensor:
         """A gradient for the sharded parameter, wrapping ``local`` (no checks, no copy)."""
         return _wrap(local, self.spec, False)
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    return torch.empty(shape, device="meta").stride()
 
 
 def _spec(

@@ -19,11 +19,16 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import _collectives as C
-from ._mesh import MeshInfo, post_forward_group
+from . import _extension as X
+from ._extension import extension_of
+from ._mesh import MeshInfo, post_forward_group, shard_mesh
 from ._param import FSDPParam
+from ._storage import alloc_storage as _alloc
+from ._storage import free_storage as _free
 from .api import AllGather, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ReduceScatter
 
 if TYPE_CHECKING:
@@ -110,33 +115,59 @@ class ParamGroup:
     # ---- init -----------------------------------------------------------------
 
     def _init_storage(self) -> None:
+        # Plain parameters share the flat buffer; extension parameters keep their own
+        # storage (see [Note: all-gather extensions] in _extension.py).
+        self.flat_params = [p for p in self.params if p.ext is None]
+        self.ext_params = [p for p in self.params if p.ext is not None]
+        self._shard_mesh: DeviceMesh | None = None
         offset = 0
-        for p in self.params:
+        for p in self.flat_params:
             p.offset = offset
             offset += p.padded_numel
         self.shard_numel = offset
         originals = [p.sharded for p in self.params]
+        on_meta = originals[0].is_meta
         flat = self._new_sharded_flat(
-            self.orig_dtype, torch.device("meta") if originals[0].is_meta else self.device
+            self.orig_dtype, torch.device("meta") if on_meta else self.device
         )
         with torch.no_grad():
             for p, t in zip(self.params, originals, strict=True):
-                if not flat.is_meta and p.local_numel:
+                if p.ext is None and not flat.is_meta and p.local_numel:
                     p.local_view(flat).copy_(p.local_chunk(t.detach()))
         self.sharded_flat = flat
-        for p in self.params:
-            p.make_sharded(flat, self.info)
+        offload = isinstance(self.offload_policy, CPUOffloadPolicy)
+        pin = offload and self.offload_policy.pin_memory and self.device.type != "cpu"
+        with torch.no_grad():
+            for p, t in zip(self.params, originals, strict=True):
+                if p.ext is None:
+                    p.make_sharded(flat, self.info)
+                else:
+                    p.make_sharded_ext(t, self.info, flat.device, pin)
         for p, t in zip(self.params, originals, strict=True):
-            p.unsharded = None if p.tp is not None else nn.Parameter(t.detach(), p.requires_grad)
+            plain = p.tp is None and p.ext is None
+            p.unsharded = nn.Parameter(t.detach(), p.requires_grad) if plain else None
         self._init_unsharded(flat.device if flat.is_meta else self.device)
         self._sharded_regs = [
             (m._parameters, n, p.sharded) for p in self.params for m, n in p.owners
         ]
-        self._unsharded_regs = [
-            (m._parameters, n, p.unsharded) for p in self.params for m, n in p.owners
-        ]
+        self._build_unsharded_regs()
         self._grad_params = [p for p in self.params if p.requires_grad]
         self.register_sharded()
+
+    def _build_unsharded_regs(self) -> None:
+        # Extension parameters have no unsharded parameter before their first all-gather.
+        self._unsharded_regs = [
+            (m._parameters, n, p.unsharded)
+            for p in self.params
+            if p.unsharded is not None
+            for m, n in p.owners
+        ]
+
+    def shard_mesh(self) -> DeviceMesh:
+        """The mesh the shard dim spans (what extension hooks receive)."""
+        if self._shard_mesh is None:
+            self._shard_mesh = shard_mesh(self.info)
+        return self._shard_mesh
 
     def _new_sharded_flat(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         offload = isinstance(self.offload_policy, CPUOffloadPolicy)
@@ -155,19 +186,19 @@ class ParamGroup:
         un = torch.empty(w * self.shard_numel, dtype=self.param_dtype, device=device)
         self.unsharded_flat = un
         data = un.data  # writes through .data do not bump the params' version counter
-        self.split_sizes = [p.padded_numel for p in self.params]
+        self.split_sizes = [p.padded_numel for p in self.flat_params]
         self.copy_dsts = [
             data.narrow(0, w * p.offset, w * p.padded_numel).view(w, p.padded_numel)
-            for p in self.params
+            for p in self.flat_params
         ]
         # Shard(d > 0) params: the copy-out writes a permuted view instead.
         self._dim_copies = [
             (i, p.split_view(data.narrow(0, w * p.offset, w * p.padded_numel)), p.local_shape)
-            for i, p in enumerate(self.params)
+            for i, p in enumerate(self.flat_params)
             if p.shard_dim != 0
         ]
         with torch.no_grad():
-            for p in self.params:
+            for p in self.flat_params:
                 numel = 1 if p.is_scalar else p.shape.numel()
                 view = un.narrow(0, w * p.offset, numel).view(p.shape)
                 old = p.unsharded
@@ -202,6 +233,14 @@ class ParamGroup:
                     f"{getattr(cur, 'placements', '')} at {p.fqn}; fsdp2 needs a DTensor with "
                     f"placements {tuple(p.sharded.placements)} (or a full tensor)"
                 )
+            if p.ext is not None and type(cur._local_tensor) is not type(p.sharded._local_tensor):
+                raise ValueError(
+                    f"load_state_dict(assign=True) put a DTensor of "
+                    f"{type(cur._local_tensor).__qualname__} at {p.fqn}, which is a "
+                    f"{type(p.sharded._local_tensor).__qualname__} parameter; assigning "
+                    "would drop the tensor subclass. Load without assign=True (values are "
+                    "copied into the subclass) or assign values of the same subclass"
+                )
             p.sharded = cur
             for m2, n2 in p.owners[1:]:
                 m2._parameters[n2] = cur
@@ -217,7 +256,10 @@ class ParamGroup:
         swapped the sharded params' local tensors, move them back into a flat
         buffer (of the new device/dtype) so [Note: flat storage] holds again.
         Parameter objects keep their identity."""
-        locals_ = [p.sharded._local_tensor for p in self.params]
+        self._resync_ext()
+        if not self.flat_params:
+            return
+        locals_ = [p.sharded._local_tensor for p in self.flat_params]
         flat = self.sharded_flat
         ptr = flat.untyped_storage().data_ptr()
         if all(
@@ -232,7 +274,7 @@ class ParamGroup:
             raise ValueError(f"fully_shard({self.name}): conversion left mixed dtypes")
         new = self._new_sharded_flat(dtype, device)
         with torch.no_grad():
-            for p, t in zip(self.params, locals_, strict=True):
+            for p, t in zip(self.flat_params, locals_, strict=True):
                 view = p.local_view(new)
                 if not new.is_meta and p.local_numel:
                     view.copy_(t)
@@ -242,6 +284,71 @@ class ParamGroup:
         self.orig_dtype = dtype
         self.param_dtype = self.mp_policy.param_dtype or dtype
         self._init_unsharded(torch.device("meta") if new.is_meta else self.device)
+
+    def adopt_patched_hooks(self) -> None:
+        """Plain parameters whose local tensor was given the all-gather hooks after
+        ``fully_shard`` (as instance attributes, e.g. after ``to_empty``) become
+        extension parameters: their local tensor objects (which carry the hooks) get
+        storage of their own and the flat buffer is rebuilt without them. Runs at
+        lazy init; hooks added after the first forward are not seen."""
+        patched = [
+            p for p in self.flat_params if hasattr(p.sharded._local_tensor, "fsdp_pre_all_gather")
+        ]
+        if not patched:
+            return
+        for p in patched:
+            local = p.sharded._local_tensor
+            if p.is_scalar or p.shard_dim != 0:
+                raise NotImplementedError(
+                    f"parameter {p.fqn} was given all-gather hooks, but fsdp2 applies them "
+                    "only to parameters sharded on dim 0 (not 0-dim ones)"
+                )
+            p.ext = extension_of(local, p.fqn)
+            with torch.no_grad():
+                local.data = local.detach().clone()  # the object keeps its hooks
+            p.unsharded = None
+            p.offset = -1
+        self.flat_params = [p for p in self.params if p.ext is None]
+        self.ext_params = [p for p in self.params if p.ext is not None]
+        offset = 0
+        for p in self.flat_params:
+            p.offset = offset
+            offset += p.padded_numel
+        self.shard_numel = offset
+        old = self.sharded_flat
+        new = self._new_sharded_flat(old.dtype, old.device)
+        with torch.no_grad():
+            for p in self.flat_params:
+                view = p.local_view(new)
+                if not new.is_meta and p.local_numel:
+                    view.copy_(p.sharded._local_tensor)
+                p.sharded._local_tensor = view
+        self.sharded_flat = new
+        self._init_unsharded(torch.device("meta") if new.is_meta else self.device)
+        self._build_unsharded_regs()
+
+    def _resync_ext(self) -> None:
+        """Extension parameters whose local tensor changed (``to_empty``, ``.to``,
+        ``assign=True``) get a fresh all-gather layout and unsharded parameter."""
+        changed = False
+        for p in self.ext_params:
+            assert p.ext is not None
+            local = p.sharded._local_tensor
+            p.spec = p.sharded._spec
+            outs = p.ext.outputs
+            if outs is None or (outs and outs[0].device == local.device):
+                if p.unsharded is None or p.unsharded.dtype == local.dtype:
+                    continue
+            p.ext.free()
+            p.ext.reset()
+            p.unsharded = None
+            changed = True
+        if changed:
+            self._build_unsharded_regs()
+        dtypes = {p.sharded.dtype for p in self.params}
+        if not self.flat_params and len(dtypes) == 1:
+            self.orig_dtype = dtypes.pop()
+            self.param_dtype = self.mp_policy.param_dtype or self.orig_dtype
 
     def set_post_forward(self, value: bool | int) -> None:
         """Apply a normalized ``reshard_after_forward`` (a bool, or an int strictly
@@ -270,9 +377,11 @@ class ParamGroup:
             self._pending_ag_small = True
             return
         flat = self.sharded_flat
-        if flat.device != self.device or self.param_dtype != flat.dtype:
+        if flat.numel() and (flat.device != self.device or self.param_dtype != flat.dtype):
             # CPU offload (host-to-device) and/or param_dtype cast, in one op
             flat = flat.to(self.device, self.param_dtype, non_blocking=True)
+        if self.ext_params:
+            flat = X.pack_inputs(self, flat)
         self._pending_ag = C.all_gather(flat, self.info.shard_group, self.world, self.ag_comm)
         self._pending_ag_small = False
 
@@ -294,14 +403,43 @@ class ParamGroup:
         _alloc(self.unsharded_flat)
         if self._pending_ag_small:
             assert self._small is not None
+            for p in self.ext_params:
+                p.ext.alloc()  # type: ignore[union-attr]
             self._small.copy_out(output)
-        elif not self._dim_copies:
+        elif self.ext_params:
+            X.copy_out(self, output)
+        else:
+            self.copy_out_plain(output)
+        del output, pending
+        if self.ext_params:
+            self._build_ext_unsharded()
+        self.sharded_state = Sharded.UNSHARDED
+        self.register_unsharded()
+
+    def copy_out_plain(self, output: torch.Tensor) -> None:
+        """Scatter the rank-major ``(world, shard_numel)`` all-gather output of the
+        flat buffer into the unsharded parameters."""
+        if not self._dim_copies:
             C.copy_out(output, self.split_sizes, self.copy_dsts)
         else:
             self._copy_out_permuted(output)
-        del output, pending
-        self.sharded_state = Sharded.UNSHARDED
-        self.register_unsharded()
+
+    def _build_ext_unsharded(self) -> None:
+        created = False
+        for p in self.ext_params:
+            assert p.ext is not None
+            created |= p.ext.build(p, self.param_dtype)
+        if created:
+            self._build_unsharded_regs()
+
+    def unsharded_segments(self) -> list[torch.Tensor]:
+        """Every unsharded byte of the group as ``(world, k)`` rank-major tensors
+        (allocated only while unsharded)."""
+        segs = list(self.copy_dsts)
+        for p in self.ext_params:
+            assert p.ext is not None
+            segs.extend(p.ext.segments(self.world))
+        return segs
 
     def _copy_out_permuted(self, output: torch.Tensor) -> None:
         chunks = output.split(self.split_sizes, dim=1)
@@ -332,6 +470,8 @@ class ParamGroup:
         else:
             self.sharded_state = Sharded.SHARDED
         _free(self.unsharded_flat)
+        for p in self.ext_params:
+            p.ext.free()  # type: ignore[union-attr]
         self.register_sharded()
 
     def _drop_small(self) -> None:
@@ -361,17 +501,20 @@ class ParamGroup:
             self._drop_small()
 
     def has_unreduced_grads(self) -> bool:
-        return bool(self._acc_grads) or any(p.unsharded.grad is not None for p in self._grad_params)
+        return bool(self._acc_grads) or any(
+            p.unsharded is not None and p.unsharded.grad is not None for p in self._grad_params
+        )
 
     def _accumulate_in_reduce_dtype(self) -> None:
         """Without gradient sync, keep the running sum in ``reduce_dtype`` (so
         low-precision compute does not accumulate in low precision)."""
         acc = self._acc_grads
         for p in self._grad_params:
-            g = p.unsharded.grad
+            u = p.unsharded
+            g = None if u is None else u.grad
             if g is None:
                 continue
-            p.unsharded.grad = None
+            u.grad = None
             prev = acc.get(id(p))
             acc[id(p)] = g.to(self.reduce_dtype) if prev is None else prev.add_(g)
 
@@ -379,7 +522,8 @@ class ParamGroup:
         params, grads = [], []
         acc = self._acc_grads
         for p in self._grad_params:
-            g = p.unsharded.grad
+            u = p.unsharded
+            g = None if u is None else u.grad
             if acc:
                 prev = acc.pop(id(p), None)
                 if prev is not None:
@@ -388,7 +532,8 @@ class ParamGroup:
                 if not self.reduce_unused:
                     continue
                 g = torch.zeros(p.shape, dtype=self.param_dtype, device=self.device)
-            p.unsharded.grad = None
+            elif u is not None:
+                u.grad = None
             params.append(p)
             if p.tp is not None:
                 g = p.tp.to_local_grad(g)
@@ -458,7 +603,8 @@ class ParamGroup:
     def discard_grads(self) -> None:
         """Drop unreduced gradients (unsharded, no-sync sums, HSDP partials)."""
         for p in self._grad_params:
-            p.unsharded.grad = None
+            if p.unsharded is not None:
+                p.unsharded.grad = None
         self._acc_grads.clear()
         self.partial_reduce = None
 
@@ -507,38 +653,29 @@ class _SmallShard:
     """A copy of the unsharded params sharded over ``size`` consecutive ranks,
     kept between forward and backward for ``reshard_after_forward=size``.
 
-    Rank ``j`` of the small group keeps block ``j`` of each parameter's padded
-    unsharded rows; padded rows are a multiple of the shard world, hence of
-    ``size``, so the blocks tile the flat unsharded buffer exactly.
+    Rank ``j`` of the small group keeps block ``j`` of every rank-major unsharded
+    segment (each parameter's padded unsharded rows; an extension parameter's
+    all-gather outputs): a segment holds ``world`` equal blocks, a multiple of
+    ``size``, so the blocks tile it exactly. Groups with extension parameters keep
+    bytes (their segments differ in dtype).
     """
 
     def __init__(self, group: ParamGroup, size: int) -> None:
+        self.group = group
         self.group_pg, self.rank = post_forward_group(group.info, size)
         self.size = size
-        w = group.world
-        un = group.unsharded_flat.data
-        _alloc(group.unsharded_flat)
-        per = [w // size * p.padded_numel for p in group.params]
-        self.split_sizes = per
-        self.sources = [
-            un.narrow(0, w * p.offset + self.rank * n, n)
-            for p, n in zip(group.params, per, strict=True)
-        ]
-        self.dsts = [
-            un.narrow(0, w * p.offset, w * p.padded_numel).view(size, n)
-            for p, n in zip(group.params, per, strict=True)
-        ]
-        if group.sharded_state is not Sharded.UNSHARDED:
-            _free(group.unsharded_flat)
-        self.numel = sum(per)
         self.flat: torch.Tensor | None = None
-        self.dtype = group.param_dtype
-        self.device = group.device
+        self.split_sizes: list[int] = []
+        self.dsts: list[torch.Tensor] = []
 
     def keep(self) -> None:
-        flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-        torch.cat(self.sources, out=flat)
-        self.flat = flat
+        """Keep this rank's blocks (the group must be unsharded)."""
+        segs = self.group.unsharded_segments()
+        if self.group.ext_params:
+            segs = [s.view(torch.uint8) for s in segs]
+        self.dsts = [s.view(self.size, s.numel() // self.size) for s in segs]
+        self.split_sizes = [d.size(1) for d in self.dsts]
+        self.flat = torch.cat([d[self.rank] for d in self.dsts])
 
     def all_gather(self) -> C.Pending:
         flat, self.flat = self.flat, None
@@ -553,16 +690,3 @@ def _swap(old: nn.Parameter, new: nn.Parameter) -> nn.Parameter:
     """Give ``old`` the contents of ``new`` (the object keeps its identity)."""
     torch.utils.swap_tensors(old, new)
     return old
-
-
-def _free(t: torch.Tensor) -> None:
-    storage = t.untyped_storage()
-    if storage.nbytes() and t.device.type != "meta":
-        storage.resize_(0)
-
-
-def _alloc(t: torch.Tensor) -> None:
-    storage = t.untyped_storage()
-    nbytes = t.numel() * t.element_size()
-    if storage.nbytes() != nbytes and t.device.type != "meta":
-        storage.resize_(nbytes)

@@ -199,6 +199,7 @@ class FSDPState:
             st.is_root = st is self
             if st.group is not None:
                 st.group.ctx = ctx
+                st.group.adopt_patched_hooks()
         if self.auto_reshard and self.group is not None:
             # Its backward comes first: keep the root's params through it.
             self.group.set_post_forward(False)

@@ -1,0 +1,25 @@
+"""Storage helpers: free and reallocate a tensor's memory while the tensor object (and
+every view of it) stays valid. See [Note: flat storage] in _param.py."""
+
+from __future__ import annotations
+
+import torch
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Release ``t``'s storage (resize to 0 bytes); views of it stay valid objects."""
+    storage = t.untyped_storage()
+    if storage.nbytes() and t.device.type != "meta":
+        storage.resize_(0)
+
+
+def alloc_storage(t: torch.Tensor) -> None:
+    """Give ``t``'s storage its bytes back after ``free_storage`` (contents undefined)."""
+    storage = t.untyped_storage()
+    nbytes = t.numel() * t.element_size()
+    if storage.nbytes() != nbytes and t.device.type != "meta":
+        storage.resize_(nbytes)
+
+
+def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    return torch.empty(shape, device="meta").stride()
