@@ -7,6 +7,12 @@ noise hits all alike. Prints a table with ratios to torch's FSDP2 and the loss
 at the last step of each (they must agree).
 
     python benchmarks/compare.py --world-size 2 --dtype fp32 --reshard true
+    python benchmarks/compare.py --float8 --impls fsdp2,torch_fsdp2   # torchao float8
+
+``--float8`` converts every linear layer but the output head with torchao's float8
+training and float8 all-gather (``enable_fsdp_float8_all_gather=True``), and calls
+``precompute_float8_dynamic_scale_for_fsdp`` after each optimizer step. The table's
+``AG MiB`` column is the all-gather input bytes one rank sends in one step.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import platform
 import statistics
 import sys
 import time
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -35,9 +42,42 @@ from fsdp2.models import Llama, LlamaConfig, TransformerBlock  # noqa: E402
 IMPLS = ("fsdp2", "torch_fsdp2", "torch_fsdp1", "ddp", "single")
 
 
-def build(cfg: LlamaConfig) -> nn.Module:
+def build(cfg: LlamaConfig, float8: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    return Llama(cfg)
+    model = Llama(cfg)
+    if float8:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(
+            model,
+            config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+            module_filter_fn=lambda m, fqn: fqn != "output",
+        )
+    return model
+
+
+def all_gather_bytes(fn) -> int:  # type: ignore[no-untyped-def]
+    """Bytes of all-gather input this rank sends while ``fn()`` runs."""
+    sent = [0]
+    patches = []
+    for name in ("all_gather_single", "all_gather_into_tensor"):
+        orig = getattr(dist, name, None)
+        if orig is None:
+            continue
+
+        def counted(output, input, *a, _orig=orig, **k):  # type: ignore[no-untyped-def]
+            sent[0] += input.numel() * input.element_size()
+            return _orig(output, input, *a, **k)
+
+        patches.append(mock.patch.object(dist, name, counted))
+    for patch in patches:
+        patch.start()
+    try:
+        fn()
+    finally:
+        for patch in patches:
+            patch.stop()
+    return sent[0]
 
 
 def wrap(impl: str, model: nn.Module, mesh, args) -> nn.Module:  # type: ignore[no-untyped-def]
@@ -96,7 +136,7 @@ def worker(rank: int, args: argparse.Namespace) -> None:
     impls = args.impls.split(",")
     models, optims = {}, {}
     for impl in impls:
-        models[impl] = wrap(impl, build(cfg), mesh, args)
+        models[impl] = wrap(impl, build(cfg, args.float8), mesh, args)
         optims[impl] = torch.optim.AdamW(models[impl].parameters(), lr=1e-3, foreach=True)
     gen = torch.Generator().manual_seed(1234)
     total = args.steps + args.warmup
@@ -113,6 +153,10 @@ def worker(rank: int, args: argparse.Namespace) -> None:
         loss.backward()
         optims[impl].step()
         optims[impl].zero_grad()
+        if args.float8 and impl in ("fsdp2", "torch_fsdp2"):
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(model)
         return loss.item()
 
     times: dict[str, list[float]] = {i: [] for i in impls}
@@ -124,6 +168,10 @@ def worker(rank: int, args: argparse.Namespace) -> None:
             losses[impl] = step(impl, i)
             if i >= args.warmup:
                 times[impl].append(time.perf_counter() - t0)
+    ag_bytes = {}
+    for impl in impls:
+        dist.barrier()
+        ag_bytes[impl] = all_gather_bytes(functools.partial(step, impl, total - 1))
     peaks = {}
     for impl in impls:
         dist.barrier()
@@ -136,11 +184,11 @@ def worker(rank: int, args: argparse.Namespace) -> None:
     peak_t = torch.tensor([peaks[i] for i in impls], dtype=torch.float64)
     dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
     if rank == 0:
-        report(args, impls, times, loss_t.tolist(), peak_t.tolist())
+        report(args, impls, times, loss_t.tolist(), peak_t.tolist(), ag_bytes)
     dist.destroy_process_group()
 
 
-def report(args, impls, times, losses, peaks) -> None:  # type: ignore[no-untyped-def]
+def report(args, impls, times, losses, peaks, ag_bytes) -> None:  # type: ignore[no-untyped-def]
     tokens = args.world_size * args.batch * args.seq
     med = {i: statistics.median(times[i]) for i in impls}
     ref = "torch_fsdp2" if "torch_fsdp2" in impls else impls[0]
@@ -149,17 +197,19 @@ def report(args, impls, times, losses, peaks) -> None:  # type: ignore[no-untype
         f"# {time.strftime('%Y-%m-%d %H:%M')}, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cpus, torch {torch.__version__}, gloo, world {args.world_size}, "
         f"{args.layers} layers dim {args.dim}, batch {args.batch}x{args.seq}/rank, {args.dtype}, "
-        f"reshard_after_forward={args.reshard}, offload={args.offload}, "
+        f"reshard_after_forward={args.reshard}, offload={args.offload}, float8={args.float8}, "
         f"{args.steps} steps (median)"
     )
     print(
-        f"| impl | step s | tokens/s | peak MiB/rank | step vs {ref} | mem vs {ref} | last loss |"
+        f"| impl | step s | tokens/s | peak MiB/rank | AG MiB/step | step vs {ref} | "
+        f"mem vs {ref} | last loss |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     iref = impls.index(ref)
     for k, i in enumerate(impls):
         print(
             f"| {i} | {med[i]:.3f} | {tokens / med[i]:,.0f} | {peaks[k] / 2**20:.0f} | "
+            f"{ag_bytes[i] / 2**20:.2f} | "
             f"{med[i] / med[ref]:.2f}x | {peaks[k] / peaks[iref]:.2f}x | {losses[k]:.5f} |"
         )
 
@@ -171,6 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--reshard", type=lambda s: s.lower() in ("1", "true", "yes"), default=True)
     ap.add_argument("--offload", action="store_true", help="CPUOffloadPolicy (FSDP2 impls)")
+    ap.add_argument("--float8", action="store_true", help="torchao float8 + float8 all-gather")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--heads", type=int, default=8)

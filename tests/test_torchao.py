@@ -412,3 +412,150 @@ def _nf4_case() -> None:
 
 def test_nf4_qlora_parity() -> None:
     run_on_ranks(2, _nf4_case)
+
+
+# ---- state dicts of subclass parameters -----------------------------------------------------
+
+
+def _float8_state_dict_case() -> None:
+    import io
+
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from fsdp2.fsdp1 import summon_full_params
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+
+    def sharded(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return _shard(_float8(MLP(), all_gather=True), "fsdp2", mesh)
+
+    def check_locals(model: nn.Module, want: dict[str, torch.Tensor], what: str) -> None:
+        for name, p in model.named_parameters():
+            if name.endswith("weight"):
+                assert isinstance(p._local_tensor, WeightWithDynamicFloat8CastTensor), what
+            chunk = torch.chunk(plain(want[name]), world)[rank]
+            assert torch.equal(plain(p), chunk), f"{what}: {name}"
+
+    torch.manual_seed(1)
+    full = {n: p.detach().clone() for n, p in MLP().named_parameters()}
+    x, y = _batch(0)
+
+    # 1. torch.save of the sharded state dict keeps the subclass and the values.
+    model = sharded(1)
+    check_locals(model, full, "init")
+    sd = model.state_dict()
+    assert isinstance(sd["layers.0.weight"]._local_tensor, WeightWithDynamicFloat8CastTensor)
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for name, v in loaded.items():
+        assert torch.equal(plain(v), plain(sd[name])), name
+
+    # 2. load_state_dict of full tensors, plain (an unconverted checkpoint) and float8 ones:
+    # values are copied into the subclass shards.
+    for source in ("plain", "float8"):
+        target = sharded(2)
+        state = full
+        if source == "float8":
+            unsharded = _float8(MLP(), all_gather=True)
+            unsharded.load_state_dict(full)
+            state = unsharded.state_dict()
+            assert isinstance(state["layers.0.weight"], WeightWithDynamicFloat8CastTensor)
+        target.load_state_dict(state)
+        check_locals(target, full, f"load {source}")
+        F.mse_loss(target(_rank_slice(x)), _rank_slice(y)).backward()
+
+    # 3. assign=True keeps the subclass when the values have it, and refuses to drop it.
+    target = sharded(3)
+    target.load_state_dict(model.state_dict(), assign=True)
+    check_locals(target, full, "assign")
+    F.mse_loss(target(_rank_slice(x)), _rank_slice(y)).backward()
+    bad = {
+        n: DTensor.from_local(plain(v), v.device_mesh, v.placements, run_check=False)
+        for n, v in sharded(4).state_dict().items()
+    }
+    with pytest.raises(ValueError, match="drop the tensor subclass"):
+        sharded(4).load_state_dict(bad, assign=True)
+
+    # 4. summon_full_params (fsdp2.fsdp1) gives the full values and writes back.
+    with summon_full_params(model, writeback=True):
+        for name, p in model.named_parameters():
+            assert torch.equal(plain(p), plain(full[name])), name
+            with torch.no_grad():
+                p.add_(1.0)
+    for name, p in model.named_parameters():
+        assert torch.equal(plain(p), torch.chunk(plain(full[name]) + 1.0, world)[rank]), name
+
+
+def test_float8_state_dicts() -> None:
+    run_on_ranks(2, _float8_state_dict_case)
+
+
+# ---- float8 with tensor parallel -------------------------------------------------------------
+
+
+class _TPBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(32, 64, bias=False)
+        self.w2 = nn.Linear(64, 32, bias=False)
+        # A plain fp32 parameter in the group: torch's FSDP2 all-gathers a group of float8
+        # inputs alone in float8, which gloo rejects ("Invalid scalar type"); fsdp2 moves bytes.
+        self.norm = nn.LayerNorm(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.w2(F.relu(self.w1(x))))
+
+
+class _TPStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_TPBlock(), _TPBlock()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _float8_tp_case() -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh.get_local_rank(0)
+
+    def run(engine: str):
+        torch.manual_seed(0)
+        model = _float8(_TPStack(), all_gather=True)
+        plan = {"w1": Float8ColwiseParallel(), "w2": Float8RowwiseParallel()}
+        for layer in model.layers:
+            parallelize_module(layer, mesh["tp"], plan)
+        _shard(model, engine, mesh["dp"])
+        assert type(model.layers[0].w1.weight._local_tensor).__name__ == (
+            "WeightWithDynamicFloat8CastTensor"
+        )
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(3):
+            x, y = _batch(step)
+            loss = F.mse_loss(model(x[dp * 8 : dp * 8 + 8]), y[dp * 8 : dp * 8 + 8])
+            loss.backward()
+            losses.append(_mean(loss))
+            opt.step()
+            opt.zero_grad()
+            precompute_float8_dynamic_scale_for_fsdp(model)
+        return losses, {n: plain(p) for n, p in model.named_parameters()}
+
+    _compare_engines(run)
+
+
+def test_float8_tensor_parallel_parity() -> None:
+    run_on_ranks(4, _float8_tp_case)
