@@ -139,7 +139,9 @@ def _chunk(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return chunks[rank] if rank < len(chunks) else t[:0]
 
 
-def _two_tensor_parity(version: int, raf: bool | int, engines: tuple[str, ...]) -> None:
+def _two_tensor_parity(
+    version: int, raf: bool | int, engines: tuple[str, ...], double: bool = False
+) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     with two_tensor_hooks(version):
@@ -150,12 +152,16 @@ def _two_tensor_parity(version: int, raf: bool | int, engines: tuple[str, ...]) 
         for engine in engines:
             torch.manual_seed(42)
             models[engine] = _shard(_two_tensor_stack(), engine, mesh, reshard_after_forward=raf)
+        if double:  # a dtype change after sharding (torch's FSDP2 cannot)
+            ref.double()
+            for m in models.values():
+                m.double()
         opts = {e: torch.optim.Adam(m.parameters(), lr=1e-2) for e, m in models.items()}
         for e, m in models.items():
             assert type(m.layers[0].in_proj.weight._local_tensor) is TwoTensor, e
         g = torch.Generator().manual_seed(0)
         for step in range(4):
-            x = torch.randn(2 * world, 8, generator=g)
+            x = torch.randn(2 * world, 8, generator=g, dtype=torch.float64 if double else None)
             ref_loss = ref(x).sum() / world
             ref_loss.backward()
             losses = {}
@@ -197,6 +203,10 @@ def test_two_tensor_parity(version: int, raf: bool) -> None:
 def test_two_tensor_reshard_after_forward_int() -> None:
     # torch's FSDP2 raises NotImplementedError here; the reference decides.
     run_on_ranks(4, _two_tensor_parity, 2, 2, ("fsdp2",))
+
+
+def test_two_tensor_dtype_change_after_sharding() -> None:
+    run_on_ranks(2, _two_tensor_parity, 2, True, ("fsdp2",), True)
 
 
 def _two_tensor_meta(version: int, bf16: bool, offload: bool) -> None:
