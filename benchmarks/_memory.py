@@ -15,7 +15,7 @@ import gc
 from collections.abc import Callable, Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 
 class _MallInfo2(ctypes.Structure):
@@ -53,8 +53,14 @@ class _PeakHeap(TorchDispatchMode):
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (DTensors: their local)."""
     seen: dict[int, int] = {}
-    for t in tensors:
+    stack = list(tensors)
+    while stack:
+        t = stack.pop()
         local = t.to_local() if hasattr(t, "to_local") else t
+        if is_traceable_wrapper_subclass(local):  # e.g. torchao float8 weights
+            names, _ = local.__tensor_flatten__()
+            stack.extend(getattr(local, n) for n in names)
+            continue
         st = local.untyped_storage()
         seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
     return sum(seen.values())
