@@ -272,17 +272,28 @@ class ParamGroup:
         dtype, device = locals_[0].dtype, locals_[0].device
         if any(t.dtype != dtype for t in locals_):
             raise ValueError(f"fully_shard({self.name}): conversion left mixed dtypes")
+        self.orig_dtype = dtype
+        self.param_dtype = self.mp_policy.param_dtype or dtype
+        self._rebuild_flat(dtype, device)
+
+    def _rebuild_flat(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Lay the flat parameters out again in a new flat buffer of ``dtype`` on
+        ``device``, moving their current local tensors into it (parameter objects keep
+        their identity), and rebuild the unsharded buffer."""
+        offset = 0
+        for p in self.flat_params:
+            p.offset = offset
+            offset += p.padded_numel
+        self.shard_numel = offset
         new = self._new_sharded_flat(dtype, device)
         with torch.no_grad():
-            for p, t in zip(self.flat_params, locals_, strict=True):
+            for p in self.flat_params:
                 view = p.local_view(new)
                 if not new.is_meta and p.local_numel:
-                    view.copy_(t)
+                    view.copy_(p.sharded._local_tensor)
                 p.sharded._local_tensor = view
                 p.spec = p.sharded._spec
         self.sharded_flat = new
-        self.orig_dtype = dtype
-        self.param_dtype = self.mp_policy.param_dtype or dtype
         self._init_unsharded(torch.device("meta") if new.is_meta else self.device)
 
     def adopt_patched_hooks(self) -> None:
@@ -310,21 +321,7 @@ class ParamGroup:
             p.offset = -1
         self.flat_params = [p for p in self.params if p.ext is None]
         self.ext_params = [p for p in self.params if p.ext is not None]
-        offset = 0
-        for p in self.flat_params:
-            p.offset = offset
-            offset += p.padded_numel
-        self.shard_numel = offset
-        old = self.sharded_flat
-        new = self._new_sharded_flat(old.dtype, old.device)
-        with torch.no_grad():
-            for p in self.flat_params:
-                view = p.local_view(new)
-                if not new.is_meta and p.local_numel:
-                    view.copy_(p.sharded._local_tensor)
-                p.sharded._local_tensor = view
-        self.sharded_flat = new
-        self._init_unsharded(torch.device("meta") if new.is_meta else self.device)
+        self._rebuild_flat(self.sharded_flat.dtype, self.sharded_flat.device)
         self._build_unsharded_regs()
 
     def _resync_ext(self) -> None:
