@@ -226,6 +226,11 @@ class Extension:
             local.fsdp_post_all_gather(outs, self.metadata, param_dtype, out=p.unsharded)
             return False
         result = local.fsdp_post_all_gather(outs, self.metadata, param_dtype)
+        if not isinstance(result, tuple) or len(result) != 2:
+            raise TypeError(
+                f"{self.fqn}: fsdp_post_all_gather without out= must return "
+                f"(unsharded_tensor, tensors_to_free), got {type(result).__name__}"
+            )
         tensor, to_free = result
         if tensor.shape != p.shape:  # padded rows
             tensor = torch.as_strided(tensor, p.shape, _contiguous_stride(p.shape), 0)

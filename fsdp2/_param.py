@@ -177,7 +177,7 @@ class FSDPParam:
         (built with the ops such subclasses implement for torch's FSDP2)."""
         full = t.detach()
         rows = self.local_shape[0]
-        padded_shape = (self.padded_numel // max(self.row_numel, 1), *self.local_shape[1:])
+        padded_shape = (-(-self.shape[0] // info.shard_size), *self.local_shape[1:])
         # chunk, new_zeros, narrow and copy_: the ops torch's FSDP2 uses, so the ones
         # these subclasses implement (NF4 slices only whole dims, e.g.).
         local = full.new_zeros(padded_shape)
