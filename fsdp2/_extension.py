@@ -258,7 +258,8 @@ def copy_out(group: ParamGroup, output: torch.Tensor) -> None:
     plain = group.shard_numel * group.param_dtype.itemsize
     if plain:
         group.copy_out_plain(output[:, :plain].view(group.param_dtype))
-    sizes, dsts = [], []
+    sizes: list[int] = []
+    dsts: list[torch.Tensor] = []
     for p in group.ext_params:
         assert p.ext is not None
         p.ext.alloc()
