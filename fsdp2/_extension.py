@@ -44,7 +44,6 @@ import torch
 import torch.nn as nn
 
 from ._storage import alloc_storage as _alloc
-from ._storage import contiguous_stride as _contiguous_stride
 from ._storage import free_storage as _free
 
 if TYPE_CHECKING:
@@ -140,10 +139,8 @@ class Extension:
             local = local.to(group.device, non_blocking=True)
         mesh = group.shard_mesh()
         if self.new_api:
-            shape = p.shape
-            stride = _contiguous_stride(shape)
             inputs, self.metadata = local.fsdp_pre_all_gather(
-                mesh, shape, stride, p.owners[0][0], group.mp_policy
+                mesh, p.shape, p.stride, p.owners[0][0], group.mp_policy
             )
         else:
             inputs, self.metadata = local.fsdp_pre_all_gather(mesh)
@@ -233,7 +230,7 @@ class Extension:
             )
         tensor, to_free = result
         if tensor.shape != p.shape:  # padded rows
-            tensor = torch.as_strided(tensor, p.shape, _contiguous_stride(p.shape), 0)
+            tensor = torch.as_strided(tensor, p.shape, p.stride, 0)
         self.to_free = list(to_free)
         p.unsharded = nn.Parameter(p.wrap_unsharded(tensor), p.requires_grad)
         return True

@@ -71,6 +71,7 @@ class FSDPParam:
         "tp",
         "global_shape",
         "ext",
+        "stride",
     )
 
     def __init__(
@@ -101,6 +102,7 @@ class FSDPParam:
                 "parallel dims), e.g. from distribute_tensor / distribute_module"
             )
         self.shape = param.shape
+        self.stride = _contiguous_stride(param.shape)  # of the (TP-local) unsharded param
         # Tensor subclasses with torch's all-gather hooks keep their own storage
         # (see [Note: all-gather extensions] in _extension.py); others are rejected.
         self.ext: Extension | None = extension_of(param, fqn)

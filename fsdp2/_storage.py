@@ -21,5 +21,11 @@ def alloc_storage(t: torch.Tensor) -> None:
         storage.resize_(nbytes)
 
 
-def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    return torch.empty(shape, device="meta").stride()
+def contiguous_stride(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (as torch computes them)."""
+    stride: list[int] = []
+    step = 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
