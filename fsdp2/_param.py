@@ -101,6 +101,13 @@ class FSDPParam:
                 f"be a DTensor on the full mesh {info.spmd.mesh} (Replicate() on the data "
                 "parallel dims), e.g. from distribute_tensor / distribute_module"
             )
+        if not param.is_contiguous():
+            raise NotImplementedError(
+                f"parameter {fqn} is not contiguous (shape {tuple(param.shape)}, stride "
+                f"{param.stride()}, e.g. channels_last); fsdp2 shards contiguous parameters "
+                "only: make it contiguous before fully_shard, e.g. "
+                "module.to(memory_format=torch.contiguous_format)"
+            )
         self.shape = param.shape
         self.stride = _contiguous_stride(param.shape)  # of the (TP-local) unsharded param
         # Tensor subclasses with torch's all-gather hooks keep their own storage

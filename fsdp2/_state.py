@@ -193,6 +193,7 @@ class FSDPState:
                     seen.add(id(st))
                     states.append(st)
         _validate_tree(states)
+        _check_materialized(states, self.modules)
         ctx = StepContext(states)
         for st in states:
             st.ctx = ctx
@@ -343,6 +344,23 @@ class FSDPState:
         # data, or a module reused on the data): reduce once, at the end.
         if g.post_backward_pending <= 0 and not g.backward_done and not g.untracked_calls:
             g.post_backward()
+
+
+def _check_materialized(states: list[FSDPState], roots: list[nn.Module]) -> None:
+    """Parameters left on the meta device cannot be gathered: say which (full names),
+    before any collective (torch's FSDP2 raises RuntimeError here too)."""
+    meta = [p.sharded for st in states if st.group for p in st.group.params if p.sharded.is_meta]
+    if meta:
+        names = {id(t): n for root in roots for n, t in root.named_parameters()}
+        on_meta = [names.get(id(t), "?") for t in meta]
+        listing = ", ".join(on_meta[:20]) + (
+            f" and {len(on_meta) - 20} more" if len(on_meta) > 20 else ""
+        )
+        raise RuntimeError(
+            f"fully_shard parameters must be materialized before the first forward, but these "
+            f"are still on the meta device: {listing}. Call model.to_empty(device=...) and then "
+            "initialize them (e.g. reset_parameters() on each module, or your init_weights())"
+        )
 
 
 def _validate_tree(states: list[FSDPState]) -> None:

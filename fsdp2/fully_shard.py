@@ -188,8 +188,8 @@ def normalize_reshard_after_forward(value: object, shard_size: int) -> bool | in
     int strictly between 1 and ``shard_size``."""
     if value is None or isinstance(value, bool):
         return True if value is None else value
-    if not isinstance(value, int):
-        raise TypeError(f"reshard_after_forward must be a bool, an int or None, got {value!r}")
+    if not isinstance(value, int):  # ValueError, as torch's FSDP2 raises
+        raise ValueError(f"reshard_after_forward must be a bool, an int or None, got {value!r}")
     if value < 1 or value > shard_size or shard_size % value:
         raise ValueError(
             f"reshard_after_forward={value} must divide the shard world size {shard_size} "

@@ -150,7 +150,7 @@ def _case_reshard_str(mesh, ws: int) -> _Case:
     return (
         lambda: fully_shard(m, mesh=mesh, reshard_after_forward="yes"),
         m,
-        TypeError,
+        ValueError,  # torch's FSDP2 raises ValueError too
         r"reshard_after_forward must be a bool.*'yes'",
     )
 
@@ -160,7 +160,7 @@ def _case_reshard_float(mesh, ws: int) -> _Case:
     return (
         lambda: fully_shard(m, mesh=mesh, reshard_after_forward=2.0),
         m,
-        TypeError,
+        ValueError,  # torch's FSDP2 raises ValueError too
         r"reshard_after_forward must be a bool.*2\.0",
     )
 
