@@ -107,6 +107,33 @@ def _mean(t: torch.Tensor) -> torch.Tensor:
     return t / dist.get_world_size()
 
 
+def _train(model: nn.Module, opt, loss_of, steps, *, precompute: bool = False) -> list:
+    """For each step index in ``steps``: ``loss_of(step)``, backward, optimizer step (then
+    float8 scales, with ``precompute``). Returns the rank-averaged losses."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    losses = []
+    for step in steps:
+        loss = loss_of(step)
+        loss.backward()
+        losses.append(_mean(loss))
+        opt.step()
+        opt.zero_grad()
+        if precompute:
+            precompute_float8_dynamic_scale_for_fsdp(model)
+    return losses
+
+
+def _mse(model: nn.Module, dims=(32, 32), n: int = 16):
+    """``step -> loss`` on this rank's slice of step ``step``'s global batch."""
+
+    def loss_of(step: int) -> torch.Tensor:
+        x, y = _batch(step, dims, n)
+        return F.mse_loss(model(_rank_slice(x)), _rank_slice(y))
+
+    return loss_of
+
+
 def _compare_engines(run, reference=None, *, tol: float = 1e-4) -> None:
     """``run(engine)`` trains one sharded copy and returns ``(losses, local params)``; both
     engines must agree bitwise, and ``reference`` (a list of losses) within ``tol``."""
@@ -192,7 +219,6 @@ def test_float8_mlp_parity(all_gather: bool, precompute: bool, bf16: bool) -> No
 
 
 def _float8_llama_case() -> None:
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     from fsdp2.models.llama import Llama, LlamaConfig
 
@@ -207,15 +233,12 @@ def _float8_llama_case() -> None:
         _shard(model, engine, mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         x, y = _rank_slice(tokens[:, :-1]), _rank_slice(tokens[:, 1:])
-        losses = []
-        for _ in range(3):
+
+        def loss_of(step: int) -> torch.Tensor:
             logits = model(x)
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
-            loss.backward()
-            losses.append(_mean(loss))
-            opt.step()
-            opt.zero_grad()
-            precompute_float8_dynamic_scale_for_fsdp(model)
+            return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+        losses = _train(model, opt, loss_of, range(3), precompute=True)
         return losses, {n: plain(p) for n, p in model.named_parameters()}
 
     _compare_engines(run)
@@ -273,16 +296,7 @@ def _float8_meta_dcp_case(tmpdir: str) -> None:
         return model
 
     def steps(model, opt, first: int, n: int) -> list[torch.Tensor]:
-        losses = []
-        for step in range(first, first + n):
-            x, y = _batch(step)
-            loss = F.mse_loss(model(_rank_slice(x)), _rank_slice(y))
-            loss.backward()
-            losses.append(_mean(loss))
-            opt.step()
-            opt.zero_grad()
-            precompute_float8_dynamic_scale_for_fsdp(model)
-        return losses
+        return _train(model, opt, _mse(model), range(first, first + n), precompute=True)
 
     def run(engine: str):
         model = build(engine)
@@ -337,14 +351,7 @@ def _int8_case(reshard_after_forward: bool) -> None:
             "Int8MixedPrecisionTrainingLinearWeight"
         )
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses = []
-        for step in range(STEPS):
-            x, y = _batch(step)
-            loss = F.mse_loss(model(_rank_slice(x)), _rank_slice(y))
-            loss.backward()
-            losses.append(_mean(loss))
-            opt.step()
-            opt.zero_grad()
+        losses = _train(model, opt, _mse(model), range(STEPS))
         return losses, {n: plain(p) for n, p in model.named_parameters()}
 
     _compare_engines(run)
@@ -396,14 +403,7 @@ def _nf4_case() -> None:
         model = _shard(_QLoRA(), engine, mesh)
         assert type(model.layers[0].weight._local_tensor).__name__ == "NF4Tensor"
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        losses = []
-        for step in range(3):
-            x, y = _batch(step, (256, 256), n=8)
-            loss = F.mse_loss(model(_rank_slice(x)), _rank_slice(y))
-            loss.backward()
-            losses.append(_mean(loss))
-            opt.step()
-            opt.zero_grad()
+        losses = _train(model, opt, _mse(model, (256, 256), n=8), range(3))
         params = {n: plain(p) for n, p in model.named_parameters() if p.requires_grad}
         return losses, params
 
@@ -523,7 +523,6 @@ class _TPStack(nn.Module):
 
 def _float8_tp_case() -> None:
     from torch.distributed.tensor.parallel import parallelize_module
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
     from torchao.float8.float8_tensor_parallel import (
         Float8ColwiseParallel,
         Float8RowwiseParallel,
@@ -543,15 +542,12 @@ def _float8_tp_case() -> None:
             "WeightWithDynamicFloat8CastTensor"
         )
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses = []
-        for step in range(3):
+
+        def loss_of(step: int) -> torch.Tensor:  # data parallel over "dp" only
             x, y = _batch(step)
-            loss = F.mse_loss(model(x[dp * 8 : dp * 8 + 8]), y[dp * 8 : dp * 8 + 8])
-            loss.backward()
-            losses.append(_mean(loss))
-            opt.step()
-            opt.zero_grad()
-            precompute_float8_dynamic_scale_for_fsdp(model)
+            return F.mse_loss(model(x[dp * 8 : dp * 8 + 8]), y[dp * 8 : dp * 8 + 8])
+
+        losses = _train(model, opt, loss_of, range(3), precompute=True)
         return losses, {n: plain(p) for n, p in model.named_parameters()}
 
     _compare_engines(run)
