@@ -108,7 +108,17 @@ def extension_of(local: torch.Tensor, fqn: str) -> Extension | None:
 class Extension:
     """The all-gather state of one extension parameter (see [Note: all-gather extensions])."""
 
-    __slots__ = ("fqn", "new_api", "sizes", "dtypes", "numels", "outputs", "metadata", "to_free")
+    __slots__ = (
+        "fqn",
+        "new_api",
+        "sizes",
+        "dtypes",
+        "numels",
+        "outputs",
+        "metadata",
+        "to_free",
+        "source",
+    )
 
     def __init__(self, fqn: str, local: torch.Tensor) -> None:
         self.fqn = fqn
@@ -126,15 +136,24 @@ class Extension:
         self.outputs: list[torch.Tensor] | None = None  # each world * numel, rank-major
         self.metadata: Any = None
         self.to_free: list[torch.Tensor] = []
+        # (device, dtype) of the local shard the layout was built from
+        self.source: tuple[torch.device, torch.dtype] | None = None
 
     def reset(self) -> None:
         """Forget the all-gather layout (after the local tensor moved or changed dtype)."""
-        self.sizes, self.outputs, self.to_free = None, None, []
+        self.sizes, self.outputs, self.to_free, self.source = None, None, [], None
+
+    def stale(self, local: torch.Tensor) -> bool:
+        """Whether the layout was built from a local shard of another device or dtype
+        (``to_empty``, ``.to``, ``assign=True`` replaced it)."""
+        return self.source is not None and self.source != (local.device, local.dtype)
 
     def inputs(self, p: FSDPParam, group: ParamGroup) -> list[torch.Tensor]:
         """Run ``fsdp_pre_all_gather`` on ``p``'s local shard; return its inputs as
         flat uint8 pieces (zero bytes appended where dim 0 needs padding)."""
         local = p.sharded._local_tensor
+        if self.source is None:
+            self.source = (local.device, local.dtype)
         if local.device != group.device:  # CPU offload: the hook runs on the device
             local = local.to(group.device, non_blocking=True)
         mesh = group.shard_mesh()

@@ -120,11 +120,7 @@ class ParamGroup:
         self.flat_params = [p for p in self.params if p.ext is None]
         self.ext_params = [p for p in self.params if p.ext is not None]
         self._shard_mesh: DeviceMesh | None = None
-        offset = 0
-        for p in self.flat_params:
-            p.offset = offset
-            offset += p.padded_numel
-        self.shard_numel = offset
+        self._assign_offsets()
         originals = [p.sharded for p in self.params]
         on_meta = originals[0].is_meta
         flat = self._new_sharded_flat(
@@ -153,6 +149,14 @@ class ParamGroup:
         self._build_unsharded_regs()
         self._grad_params = [p for p in self.params if p.requires_grad]
         self.register_sharded()
+
+    def _assign_offsets(self) -> None:
+        """Place the flat parameters back to back in the flat sharded buffer."""
+        offset = 0
+        for p in self.flat_params:
+            p.offset = offset
+            offset += p.padded_numel
+        self.shard_numel = offset
 
     def _build_unsharded_regs(self) -> None:
         # Extension parameters have no unsharded parameter before their first all-gather.
@@ -280,11 +284,7 @@ class ParamGroup:
         """Lay the flat parameters out again in a new flat buffer of ``dtype`` on
         ``device``, moving their current local tensors into it (parameter objects keep
         their identity), and rebuild the unsharded buffer."""
-        offset = 0
-        for p in self.flat_params:
-            p.offset = offset
-            offset += p.padded_numel
-        self.shard_numel = offset
+        self._assign_offsets()
         new = self._new_sharded_flat(dtype, device)
         with torch.no_grad():
             for p in self.flat_params:
@@ -330,12 +330,9 @@ class ParamGroup:
         changed = False
         for p in self.ext_params:
             assert p.ext is not None
-            local = p.sharded._local_tensor
             p.spec = p.sharded._spec
-            outs = p.ext.outputs
-            if outs is None or (outs and outs[0].device == local.device):
-                if p.unsharded is None or p.unsharded.dtype == local.dtype:
-                    continue
+            if not p.ext.stale(p.sharded._local_tensor):
+                continue
             p.ext.free()
             p.ext.reset()
             p.unsharded = None
@@ -664,15 +661,20 @@ class _SmallShard:
         self.flat: torch.Tensor | None = None
         self.split_sizes: list[int] = []
         self.dsts: list[torch.Tensor] = []
+        self.sources: list[torch.Tensor] = []
 
     def keep(self) -> None:
         """Keep this rank's blocks (the group must be unsharded)."""
-        segs = self.group.unsharded_segments()
-        if self.group.ext_params:
-            segs = [s.view(torch.uint8) for s in segs]
-        self.dsts = [s.view(self.size, s.numel() // self.size) for s in segs]
-        self.split_sizes = [d.size(1) for d in self.dsts]
-        self.flat = torch.cat([d[self.rank] for d in self.dsts])
+        # Plain groups: the layout is fixed until _init_unsharded makes a new _SmallShard.
+        # Extension outputs appear at the first all-gather (and after a reset): rebuild.
+        if not self.dsts or self.group.ext_params:
+            segs = self.group.unsharded_segments()
+            if self.group.ext_params:
+                segs = [s.view(torch.uint8) for s in segs]
+            self.dsts = [s.view(self.size, s.numel() // self.size) for s in segs]
+            self.split_sizes = [d.size(1) for d in self.dsts]
+            self.sources = [d[self.rank] for d in self.dsts]
+        self.flat = torch.cat(self.sources)
 
     def all_gather(self) -> C.Pending:
         flat, self.flat = self.flat, None
