@@ -118,18 +118,15 @@ class Extension:
         "metadata",
         "to_free",
         "source",
+        "plain",
     )
 
-    def __init__(self, fqn: str, local: torch.Tensor) -> None:
+    def __init__(self, fqn: str, local: torch.Tensor | None) -> None:
         self.fqn = fqn
-        n = len(inspect.signature(local.fsdp_pre_all_gather).parameters)  # type: ignore[attr-defined]
-        if n not in (1, 5):
-            raise TypeError(
-                f"parameter {fqn}: {type(local).__qualname__}.fsdp_pre_all_gather takes {n} "
-                "arguments besides self; expected (mesh) or (mesh, outer_size, outer_stride, "
-                "module, mp_policy)"
-            )
-        self.new_api = n == 5
+        # ``local=None``: a plain frozen parameter whose dtype differs from its group's
+        # flat buffer (see [Note: other dtypes]); fsdp2 plays the hooks itself.
+        self.plain = local is None
+        self.new_api = True
         self.sizes: list[torch.Size] | None = None  # per input, dim 0 padded
         self.dtypes: list[torch.dtype] = []
         self.numels: list[int] = []
@@ -138,6 +135,16 @@ class Extension:
         self.to_free: list[torch.Tensor] = []
         # (device, dtype) of the local shard the layout was built from
         self.source: tuple[torch.device, torch.dtype] | None = None
+        if local is None:
+            return
+        n = len(inspect.signature(local.fsdp_pre_all_gather).parameters)  # type: ignore[attr-defined]
+        if n not in (1, 5):
+            raise TypeError(
+                f"parameter {fqn}: {type(local).__qualname__}.fsdp_pre_all_gather takes {n} "
+                "arguments besides self; expected (mesh) or (mesh, outer_size, outer_stride, "
+                "module, mp_policy)"
+            )
+        self.new_api = n == 5
 
     def reset(self) -> None:
         """Forget the all-gather layout (after the local tensor moved or changed dtype)."""
@@ -157,7 +164,12 @@ class Extension:
         if local.device != group.device:  # CPU offload: the hook runs on the device
             local = local.to(group.device, non_blocking=True)
         mesh = group.shard_mesh()
-        if self.new_api:
+        if self.plain:
+            dtype = group.mp_policy.param_dtype
+            if dtype is not None and local.is_floating_point() and local.dtype != dtype:
+                local = local.to(dtype)  # mixed precision gathers in param_dtype, as torch
+            inputs: tuple[torch.Tensor, ...] = (local,)
+        elif self.new_api:
             inputs, self.metadata = local.fsdp_pre_all_gather(
                 mesh, p.shape, p.stride, p.owners[0][0], group.mp_policy
             )
@@ -236,6 +248,12 @@ class Extension:
         pairs = zip(self.outputs, self.sizes, strict=True)
         outs = tuple(o.view(-1, *s[1:]) if len(s) else o for o, s in pairs)
         local = p.sharded._local_tensor
+        if self.plain:  # the unsharded parameter views the (reallocated) output
+            if p.unsharded is None:
+                tensor = torch.as_strided(outs[0], p.shape, p.stride, 0)
+                p.unsharded = nn.Parameter(tensor, requires_grad=False)
+                return True
+            return False
         if p.unsharded is not None:
             for t in self.to_free:
                 _alloc(t)

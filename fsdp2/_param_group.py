@@ -64,15 +64,7 @@ class ParamGroup:
         self.name = name
         self.mp_policy = mp_policy
         self.offload_policy = offload_policy
-        dtypes = {p.sharded.dtype for p in params}
-        if len(dtypes) > 1:
-            listing = ", ".join(f"{p.fqn}: {p.sharded.dtype}" for p in params)
-            raise ValueError(
-                f"fully_shard({name}) needs one dtype for all the parameters it groups, got "
-                f"{listing}. Cast the module (module.to(dtype)) or shard the differing "
-                "submodules in their own fully_shard calls."
-            )
-        self.orig_dtype = dtypes.pop()
+        self.orig_dtype = _group_dtype(params, name)
         self.param_dtype = mp_policy.param_dtype or self.orig_dtype
         reduce_dtype = mp_policy.reduce_dtype
         self.reduce_dtype = (
@@ -109,6 +101,7 @@ class ParamGroup:
         self.bwd_prefetch: list[ParamGroup] | None = None
         self.ctx: StepContext | None = None
         self._small: _SmallShard | None = None
+        self._resync_pending = False  # adopt_registered waits for a whole group
         self._init_storage()
         self.set_post_forward(reshard_after_forward)
 
@@ -116,7 +109,18 @@ class ParamGroup:
 
     def _init_storage(self) -> None:
         # Plain parameters share the flat buffer; extension parameters keep their own
-        # storage (see [Note: all-gather extensions] in _extension.py).
+        # storage (see [Note: all-gather extensions] in _extension.py), and so do plain
+        # frozen parameters of another dtype (see [Note: other dtypes]).
+        for p in self.params:
+            if p.ext is None and p.sharded.dtype != self.orig_dtype:
+                if p.is_scalar or p.shard_dim != 0:
+                    raise NotImplementedError(
+                        f"parameter {p.fqn} ({p.sharded.dtype}) is frozen with a dtype other "
+                        f"than its group's ({self.orig_dtype}); fsdp2 gathers such parameters "
+                        "only when sharded on dim 0 (not 0-dim ones): shard it in its own "
+                        "fully_shard call or cast it"
+                    )
+                p.ext = X.Extension(p.fqn, None)
         self.flat_params = [p for p in self.params if p.ext is None]
         self.ext_params = [p for p in self.params if p.ext is not None]
         self._shard_mesh: DeviceMesh | None = None
@@ -222,38 +226,77 @@ class ParamGroup:
             self._small = _SmallShard(self, self._small.size)
 
     def adopt_registered(self) -> None:
-        """After ``load_state_dict(assign=True)`` replaced sharded parameters by
-        new objects: take those objects as the group's sharded parameters and
-        move their values into the flat buffer."""
+        """Take parameters registered in place of the group's sharded ones as the new
+        sharded parameters, and move their values into the flat buffer.
+
+        Runs after ``load_state_dict(assign=True)`` (a post-hook per owner module) and
+        at lazy init (a parameter replaced after ``fully_shard``, e.g.
+        ``module.weight = nn.Parameter(...)`` after ``to_empty``). The new parameter
+        must be a DTensor with the sharded parameter's placements and local shape
+        (ValueError otherwise, naming it). The flat buffer is
+        rebuilt once none of the group's parameters is half-loaded (some still on
+        meta while others are not), so loading module by module works.
+        """
         changed = False
         for p in self.params:
             m, n = p.owners[0]
             cur = m._parameters.get(n)
-            if cur is None or cur is p.sharded:
+            if cur is None or cur is p.sharded or cur is p.unsharded:
                 continue
-            if not isinstance(cur, DTensor) or tuple(cur.placements) != tuple(p.sharded.placements):
-                raise ValueError(
-                    f"load_state_dict(assign=True) put {type(cur).__name__} "
-                    f"{getattr(cur, 'placements', '')} at {p.fqn}; fsdp2 needs a DTensor with "
-                    f"placements {tuple(p.sharded.placements)} (or a full tensor)"
-                )
-            if p.ext is not None and type(cur._local_tensor) is not type(p.sharded._local_tensor):
-                raise ValueError(
-                    f"load_state_dict(assign=True) put a DTensor of "
-                    f"{type(cur._local_tensor).__qualname__} at {p.fqn}, which is a "
-                    f"{type(p.sharded._local_tensor).__qualname__} parameter; assigning "
-                    "would drop the tensor subclass. Load without assign=True (values are "
-                    "copied into the subclass) or assign values of the same subclass"
-                )
+            cur = self._as_sharded(p, cur)
             p.sharded = cur
-            for m2, n2 in p.owners[1:]:
+            for m2, n2 in p.owners:
                 m2._parameters[n2] = cur
+            if cur.requires_grad != p.requires_grad:
+                p.requires_grad = cur.requires_grad
+                if p.unsharded is not None:
+                    p.unsharded.requires_grad_(cur.requires_grad)
+                self._grad_params = [q for q in self.params if q.requires_grad]
             changed = True
         if changed:
             self._sharded_regs = [
                 (m._parameters, n, p.sharded) for p in self.params for m, n in p.owners
             ]
-            self.resync_after_apply()
+            self._resync_pending = True
+        if self._resync_pending:
+            on_meta = {p.sharded.is_meta for p in self.params}
+            if len(on_meta) == 1:  # not half-loaded
+                self._resync_pending = False
+                self.resync_after_apply()
+
+    def _as_sharded(self, p: FSDPParam, cur: torch.Tensor) -> nn.Parameter:
+        """``cur``, registered where ``p``'s sharded parameter was, checked (and for a
+        full plain tensor, sharded) to serve as ``p``'s new sharded parameter."""
+        want = tuple(p.sharded.placements)
+        if not isinstance(cur, DTensor):
+            # Not adopted by sharding it into a new object: an optimizer built in between
+            # would hold the plain tensor, which would then silently not train.
+            raise ValueError(
+                f"parameter {p.fqn} was replaced after fully_shard by a plain "
+                f"{type(cur).__name__} of shape {tuple(cur.shape)}; a sharded model needs a "
+                f"DTensor there (placements {want}), e.g. nn.Parameter(distribute_tensor(t, "
+                "old.device_mesh, old.placements)), or copy the values into the existing "
+                "parameter: with torch.no_grad(): old.copy_(distribute_tensor(t, "
+                "old.device_mesh, old.placements))"
+            )
+        if tuple(cur.placements) != want or cur._local_tensor.shape != p.sharded.to_local().shape:
+            raise ValueError(
+                f"parameter {p.fqn} was replaced (load_state_dict(assign=True) or "
+                f"assignment) by a DTensor with placements {tuple(cur.placements)} and local "
+                f"shape {tuple(cur._local_tensor.shape)}; fsdp2 needs placements {want} and "
+                f"local shape {tuple(p.sharded.to_local().shape)} (or a full tensor)"
+            )
+        if p.ext is not None and type(cur._local_tensor) is not type(p.sharded._local_tensor):
+            raise ValueError(
+                f"load_state_dict(assign=True) put a DTensor of "
+                f"{type(cur._local_tensor).__qualname__} at {p.fqn}, which is a "
+                f"{type(p.sharded._local_tensor).__qualname__} parameter; assigning "
+                "would drop the tensor subclass. Load without assign=True (values are "
+                "copied into the subclass) or assign values of the same subclass"
+            )
+        if not isinstance(cur, nn.Parameter) and not getattr(cur, "_is_param", False):
+            cur = nn.Parameter(cur, cur.requires_grad)  # type: ignore[assignment]
+        return cur  # type: ignore[return-value]
 
     def resync_after_apply(self) -> None:
         """After ``nn.Module._apply`` (``to_empty``, ``.to(device or dtype)``)
@@ -296,12 +339,19 @@ class ParamGroup:
         self.sharded_flat = new
         self._init_unsharded(torch.device("meta") if new.is_meta else self.device)
 
+    def hooks_patched(self) -> bool:
+        """Whether a flat parameter's local tensor was given all-gather hooks."""
+        return any(
+            hasattr(p.sharded._local_tensor, "fsdp_pre_all_gather") for p in self.flat_params
+        )
+
     def adopt_patched_hooks(self) -> None:
         """Plain parameters whose local tensor was given the all-gather hooks after
         ``fully_shard`` (as instance attributes, e.g. after ``to_empty``) become
         extension parameters: their local tensor objects (which carry the hooks) get
         storage of their own and the flat buffer is rebuilt without them. Runs at
-        lazy init; hooks added after the first forward are not seen."""
+        lazy init and, while the group is sharded, when a step's forward begins
+        (``hooks_patched`` is the cheap test)."""
         patched = [
             p for p in self.flat_params if hasattr(p.sharded._local_tensor, "fsdp_pre_all_gather")
         ]
@@ -689,3 +739,31 @@ def _swap(old: nn.Parameter, new: nn.Parameter) -> nn.Parameter:
     """Give ``old`` the contents of ``new`` (the object keeps its identity)."""
     torch.utils.swap_tensors(old, new)
     return old
+
+
+def _group_dtype(params: list[FSDPParam], name: str) -> torch.dtype:
+    """The dtype of a group's flat buffer: its trainable parameters' (one dtype for all of
+    them: their gradients are reduced together), else its most common one.
+
+    [Note: other dtypes]
+    A frozen parameter of another dtype (a frozen float8 or bf16 weight next to fp32
+    trainable ones) keeps its own storage and is gathered as bytes in the group's one
+    all-gather, like an extension parameter whose hooks fsdp2 plays itself: the input
+    is its local shard (cast to ``param_dtype`` under mixed precision if it is floating,
+    as torch's FSDP2 does), the unsharded parameter views the output.
+    """
+    trainable = {p.sharded.dtype for p in params if p.requires_grad}
+    if len(trainable) > 1:
+        listing = ", ".join(f"{p.fqn}: {p.sharded.dtype}" for p in params if p.requires_grad)
+        raise ValueError(
+            f"fully_shard({name}) needs one dtype for the trainable parameters it groups "
+            f"(their gradients are reduced together), got {listing}. Cast the module "
+            "(module.to(dtype)) or shard the differing submodules in their own fully_shard "
+            "calls. Frozen parameters (requires_grad=False) may have other dtypes."
+        )
+    if trainable:
+        return trainable.pop()
+    counts: dict[torch.dtype, int] = {}
+    for p in params:
+        counts[p.sharded.dtype] = counts.get(p.sharded.dtype, 0) + 1
+    return max(counts, key=lambda d: counts[d])

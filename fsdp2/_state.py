@@ -31,6 +31,10 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ._param_group import ParamGroup, Sharded, _Reduction
 from .api import MixedPrecisionPolicy
 
+# torch.compile runs the engine's hooks eagerly (a graph break around each): they
+# move storages and issue collectives, which must not be traced. See docs/compile.md.
+_eager = torch.compiler.disable
+
 STATE_ATTR = "_fsdp2_state"
 
 
@@ -74,9 +78,11 @@ class StepContext:
     def begin_forward(self) -> None:
         self.fwd_order = []
         self.post_fwd_order = []
-        for g in self.groups:  # a small copy whose backward never came may be stale
-            if g.sharded_state is Sharded.SMALL:
+        for g in self.groups:
+            if g.sharded_state is Sharded.SMALL:  # its backward never came: may be stale
                 g.reshard()
+            if g.sharded_state is Sharded.SHARDED and g.hooks_patched():
+                g.adopt_patched_hooks()  # all-gather hooks given to local tensors since
 
     def end_forward(self) -> None:
         """Link each group to the one that ran after it (next step's implicit
@@ -176,9 +182,11 @@ class FSDPState:
         for m in modules:
             m.__dict__[STATE_ATTR] = self
             self.handles.append(
-                m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+                m.register_forward_pre_hook(
+                    _eager(self._pre_forward), prepend=True, with_kwargs=True
+                )
             )
-            self.handles.append(m.register_forward_hook(self._post_forward))
+            self.handles.append(m.register_forward_hook(_eager(self._post_forward)))
 
     # ---- lazy init ---------------------------------------------------------------
 
@@ -193,6 +201,9 @@ class FSDPState:
                     seen.add(id(st))
                     states.append(st)
         _validate_tree(states)
+        for st in states:  # parameters replaced since fully_shard (e.g. after to_empty)
+            if st.group is not None:
+                st.group.adopt_registered()
         _check_materialized(states, self.modules)
         ctx = StepContext(states)
         for st in states:
@@ -235,7 +246,7 @@ class FSDPState:
                 if torch.is_grad_enabled():
                     args, kwargs = self._register_post_backward(args, kwargs)
         mp = self.mp_policy
-        if mp.param_dtype is not None and (mp.cast_forward_inputs or self.is_root):
+        if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
         return args, kwargs
 
@@ -267,8 +278,8 @@ class FSDPState:
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         ctx = self.ctx
         assert ctx is not None
-        if ctx.in_backward:
-            return output
+        if ctx.in_backward:  # activation-checkpoint recompute: same output as the forward
+            return self._cast_output(output)
         g = self.group
         training = torch.is_grad_enabled()
         if g is not None:
@@ -293,8 +304,11 @@ class FSDPState:
             if not training:
                 for other in ctx.groups:
                     other.reshard()
+        return self._cast_output(output)
+
+    def _cast_output(self, output: Any) -> Any:
         if self.mp_policy.output_dtype is not None:
-            output = _cast_floats(output, self.mp_policy.output_dtype)
+            return _cast_floats(output, self.mp_policy.output_dtype)
         return output
 
     # ---- backward ------------------------------------------------------------------

@@ -9,8 +9,8 @@
   ``reduce_dtype``).
 * Forward computes with ``param_dtype`` weights while the registered parameters, their
   gradients and the optimizer state stay fp32 DTensors.
-* ``output_dtype`` casts floating outputs; ``cast_forward_inputs=False`` leaves a non-root
-  module's inputs alone; the root casts its inputs whenever ``param_dtype`` is set.
+* ``output_dtype`` casts floating outputs; ``cast_forward_inputs=False`` leaves a
+  module's inputs alone, the root's included (as torch's FSDP2).
 * ``reduce_dtype == param_dtype`` behaves as ``reduce_dtype=None``.
 * The all-gather moves ``param_dtype`` bytes: half of fp32's for bf16.
 
@@ -199,7 +199,7 @@ class _Reference:
             for name, _ in module.named_parameters(prefix=path):
                 self.policy.setdefault(name, kw)
             param_dtype = kw.get("param_dtype")
-            if param_dtype is not None and (kw.get("cast_forward_inputs", True) or path == ""):
+            if param_dtype is not None and kw.get("cast_forward_inputs", True):
                 module.register_forward_pre_hook(
                     lambda m, args, kwargs, d=param_dtype: _cast_floats((args, kwargs), d),
                     with_kwargs=True,
@@ -443,13 +443,14 @@ def _record_casts(engine: str, cast_forward_inputs: bool) -> dict[str, Any]:
     y, idx = root(x)
     seen["two outputs"] = (y.dtype, idx.dtype)
     y.sum().backward()
-    # The root with cast_forward_inputs=False still casts (a root sees the user's inputs).
+    # A root with cast_forward_inputs=False does not cast either: the fp32 batch reaches
+    # the bf16 Linear, which rejects it (as with torch's FSDP2).
     root = _CastStack()
     fully_shard_fn(root, mesh=mesh, mp_policy=policy_cls(BF16, cast_forward_inputs=False))
     root.register_forward_pre_hook(lambda m, a: seen.__setitem__("root in", a[0].dtype))
     try:
         seen["root out"] = root(x).dtype
-    except RuntimeError as e:  # torch 2.13 does not cast, and Linear rejects fp32 @ bf16
+    except RuntimeError as e:  # Linear rejects fp32 @ bf16
         seen["root out"] = f"raised {type(e).__name__}"
     return seen
 
@@ -473,11 +474,9 @@ def test_output_dtype_and_cast_forward_inputs(world_size: int, cast_forward_inpu
     for key, dtype in want.items():
         assert ours[key] == dtype, f"fsdp2 {key}: {ours[key]}, want {dtype}"
         assert theirs[key] == dtype, f"torch {key}: {theirs[key]}, want {dtype}"
-    # A root casts its inputs to param_dtype even with cast_forward_inputs=False (FSDP1's
-    # cast_root_forward_inputs). torch 2.13's fully_shard does not: its root sees fp32, and
-    # the first bf16 Linear raises. fsdp2 deliberately accepts more here.
-    assert (ours["root in"], ours["root out"]) == (BF16, BF16), ours
-    assert theirs["root in"] == FP32, theirs
+    # cast_forward_inputs=False holds at the root too: it sees the fp32 batch.
+    for res in (ours, theirs):
+        assert (res["root in"], res["root out"]) == (FP32, "raised RuntimeError"), res
 
 
 # ---------------------------------------------------------------------------------------------

@@ -254,7 +254,9 @@ def test_two_tensor_meta_init(version: int, bf16: bool, offload: bool) -> None:
 # ---- hooks patched onto plain local tensors -------------------------------------------------
 
 
-def _patched_case() -> None:
+def _patched_case(after_steps: int) -> None:
+    """Hooks patched onto every weight's local tensor after ``to_empty`` (found at the first
+    forward) or after ``after_steps`` training steps (found when the next forward begins)."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     calls = {"pre": 0}
 
@@ -273,7 +275,9 @@ def _patched_case() -> None:
         return up, (t, up)
 
     results = {}
-    for engine in ENGINES:
+    # torch's FSDP2 fails on hooks patched after its first forward (AttributeError:
+    # 'FSDPParam' object has no attribute '_extensions_data').
+    for engine in ENGINES if after_steps == 0 else ("fsdp2",):
         calls["pre"] = 0
         with torch.device("meta"):
             model = _Stack()
@@ -282,31 +286,46 @@ def _patched_case() -> None:
         torch.manual_seed(1)
         for p in model.parameters():
             nn.init.trunc_normal_(p)
-        for p in model.parameters():
-            local = p._local_tensor
-            local.fsdp_pre_all_gather = pre.__get__(local)
-            local.fsdp_post_all_gather = post.__get__(local)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         torch.manual_seed(7 + dist.get_rank())
         x = torch.randn(2, 8)
         losses = []
-        for _ in range(3):
+        for step in range(3):
+            if step == after_steps:
+                for p in model.parameters():
+                    local = p._local_tensor
+                    local.fsdp_pre_all_gather = pre.__get__(local)
+                    local.fsdp_post_all_gather = post.__get__(local)
             loss = model(x).sum()
             loss.backward()
             losses.append(loss.detach())
             opt.step()
             opt.zero_grad()
-        # 3 steps x 6 weights, gathered in forward and again in backward (blocks reshard).
-        assert calls["pre"] == 3 * 6 * 2, (engine, calls)
+        # 6 weights gathered in forward and again in backward (blocks reshard), each step
+        # from the one that patched them on.
+        assert calls["pre"] == (3 - after_steps) * 6 * 2, (engine, calls)
+        # The forward computes with the hooks' weights: the shards rounded to bf16.
+        seen = {}
+        for i, block in enumerate(model.layers):
+            block.in_proj.register_forward_pre_hook(
+                lambda m, _, i=i, seen=seen: seen.__setitem__(i, m.weight.detach().clone())
+            )
+        model(x)
+        for i, block in enumerate(model.layers):
+            want = block.in_proj.weight.full_tensor().bfloat16().float()
+            assert torch.equal(seen[i], want), (engine, i)
         results[engine] = (losses, [p.to_local().clone() for p in model.parameters()])
+    if after_steps:
+        return
     for a, b in zip(results["fsdp2"][0], results["torch"][0], strict=True):
         assert torch.equal(a, b)
     for a, b in zip(results["fsdp2"][1], results["torch"][1], strict=True):
         assert torch.equal(a, b)
 
 
-def test_hooks_patched_on_local_tensors() -> None:
-    run_on_ranks(2, _patched_case)
+@pytest.mark.parametrize("after_steps", [0, 1], ids=["before_training", "after_a_step"])
+def test_hooks_patched_on_local_tensors(after_steps: int) -> None:
+    run_on_ranks(2, _patched_case, after_steps)
 
 
 # ---- a bf16-gathering subclass: hook arguments, padding, one collective per group ------------
