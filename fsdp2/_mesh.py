@@ -58,11 +58,14 @@ def default_mesh() -> DeviceMesh:
             "fully_shard(mesh=None) needs torch.distributed to be initialized: call "
             "torch.distributed.init_process_group() first or pass mesh=init_device_mesh(...)"
         )
-    device_type = "cpu"
+    return init_device_mesh(comm_device_type(), (dist.get_world_size(),))
+
+
+def comm_device_type() -> str:
+    """The device type the default process group communicates on: the current
+    accelerator's, unless there is none or the backend is gloo (then ``"cpu"``)."""
     acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    if acc is not None and dist.get_backend() != "gloo":
-        device_type = acc.type
-    return init_device_mesh(device_type, (dist.get_world_size(),))
+    return acc.type if acc is not None and dist.get_backend() != "gloo" else "cpu"
 
 
 def mesh_info(mesh: DeviceMesh) -> MeshInfo:

@@ -21,6 +21,7 @@ every state under it (step order, reductions in flight, final callback).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -133,6 +134,9 @@ class StepContext:
                 g.reshard()
             g.reset_step()
         self.in_backward = False
+        for st in self.states:
+            for callback in st.backward_end_callbacks:
+                callback()
 
 
 class _PostBackward(torch.autograd.Function):
@@ -177,6 +181,7 @@ class FSDPState:
         self.ctx: StepContext | None = None
         self.is_root = False
         self.post_optim_event: torch.Event | None = None
+        self.backward_end_callbacks: list[Callable[[], None]] = []  # see _seam.on_backward_end
         self._fwd_left: set[int] = set()
         self.handles = []
         for m in modules:
