@@ -39,6 +39,7 @@ $(VENV)/.installed-dev: $(STAMP)
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/ruff format --check $(LINT_PATHS)
+	$(BIN)/mypy
 
 clean:
 	rm -rf build *.egg-info .pytest_cache .ruff_cache .mypy_cache .hypothesis

@@ -15,20 +15,16 @@ import torch.distributed as dist
 
 from .api import AllGather, Comm, ReduceScatter
 
-# torch 2.13 renamed the flat collectives; older builds only have the old names.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-
-def _all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup):
+def _all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> Any:
     # Looked up at call time so tests can count calls by patching torch.distributed.
-    fn = getattr(dist, _all_gather_flat.__name__)
-    return fn(output, input, group=group, async_op=True)
+    return dist.all_gather_single(output, input, group=group, async_op=True)
 
 
-def _reduce_scatter(output, input, op, group):
-    fn = getattr(dist, _reduce_scatter_flat.__name__)
-    return fn(output, input, op=op, group=group, async_op=True)
+def _reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, op: Any, group: dist.ProcessGroup
+) -> Any:
+    return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=True)
 
 
 class Pending(NamedTuple):

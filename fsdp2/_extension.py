@@ -169,12 +169,14 @@ class Extension:
             if dtype is not None and local.is_floating_point() and local.dtype != dtype:
                 local = local.to(dtype)  # mixed precision gathers in param_dtype, as torch
             inputs: tuple[torch.Tensor, ...] = (local,)
-        elif self.new_api:
-            inputs, self.metadata = local.fsdp_pre_all_gather(
-                mesh, p.shape, p.stride, p.owners[0][0], group.mp_policy
-            )
         else:
-            inputs, self.metadata = local.fsdp_pre_all_gather(mesh)
+            pre = getattr(local, "fsdp_pre_all_gather")  # noqa: B009 - a subclass's hook
+            if self.new_api:
+                inputs, self.metadata = pre(
+                    mesh, p.shape, p.stride, p.owners[0][0], group.mp_policy
+                )
+            else:
+                inputs, self.metadata = pre(mesh)
         rows, padded = p.local_shape[0], -(-p.shape[0] // group.world)
         pieces, sizes = [], []
         for t in inputs:
@@ -254,12 +256,13 @@ class Extension:
                 p.unsharded = nn.Parameter(tensor, requires_grad=False)
                 return True
             return False
+        post = getattr(local, "fsdp_post_all_gather")  # noqa: B009 - a subclass's hook
         if p.unsharded is not None:
             for t in self.to_free:
                 _alloc(t)
-            local.fsdp_post_all_gather(outs, self.metadata, param_dtype, out=p.unsharded)
+            post(outs, self.metadata, param_dtype, out=p.unsharded)
             return False
-        result = local.fsdp_post_all_gather(outs, self.metadata, param_dtype)
+        result = post(outs, self.metadata, param_dtype)
         if not isinstance(result, tuple) or len(result) != 2:
             raise TypeError(
                 f"{self.fqn}: fsdp_post_all_gather without out= must return "

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import weakref
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .api import DataParallelMeshDims
@@ -29,11 +32,6 @@ class MeshInfo:
     replicate_group: dist.ProcessGroup | None
     replicate_size: int
     spmd: SPMDMesh | None = None  # set by fully_shard(..., dp_mesh_dims=...)
-
-    @property
-    def dp_size(self) -> int:
-        """Ranks that see different data: gradients are averaged over these."""
-        return self.shard_size * self.replicate_size
 
     def placements(self, shard_dim: int | None) -> tuple[Placement, ...]:
         """DTensor placements of a parameter sharded on ``shard_dim`` (``None``:
@@ -191,7 +189,7 @@ def spmd_mesh_info(mesh: DeviceMesh, dims: object) -> MeshInfo:
 
     if not shard:  # replicate only: HSDP with a shard dim of size 1
         rep_mesh = sub(rep)
-        cache = mesh.__dict__.setdefault("_fsdp2_unflattened", {})
+        cache = mesh_cache(mesh).unflattened
         if rep not in cache:
             rep_name = "_".join(rep)
             cache[rep] = rep_mesh._unflatten(
@@ -236,10 +234,9 @@ def post_forward_group(info: MeshInfo, reshard_size: int) -> tuple[dist.ProcessG
 
     Creating groups is collective: every rank creates every block's group in
     the same order, so all ranks must call this with the same arguments. The
-    groups are cached on the mesh object, so they live and die with it.
+    groups are cached per mesh (``mesh_cache``), so they live and die with it.
     """
-    cache: dict[int, list[tuple[tuple[int, ...], dist.ProcessGroup]]]
-    cache = info.mesh.__dict__.setdefault("_fsdp2_block_groups", {})
+    cache = mesh_cache(info.mesh).block_groups
     if reshard_size not in cache:
         rows = info.mesh.mesh.reshape(-1, info.shard_size).tolist()
         cache[reshard_size] = [
@@ -258,15 +255,39 @@ def separate_shard_group(info: MeshInfo) -> dist.ProcessGroup:
     """A second process group over this rank's shard ranks (for reduce-scatters
     that should not queue behind all-gathers). Collective over all ranks;
     cached on the mesh like ``post_forward_group``."""
-    cache: dict[str, dist.ProcessGroup] = info.mesh.__dict__.setdefault(
-        "_fsdp2_separate_groups", {}
-    )
-    if "shard" not in cache:
-        mine = None
+    cache = mesh_cache(info.mesh)
+    if cache.separate_group is None:
         for row in info.mesh.mesh.reshape(-1, info.shard_size).tolist():
             group = dist.new_group(row)
             if dist.get_rank() in row:
-                mine = group
-        assert mine is not None
-        cache["shard"] = mine
-    return cache["shard"]
+                cache.separate_group = group
+        assert cache.separate_group is not None
+    return cache.separate_group
+
+
+@dataclass
+class MeshCache:
+    """What fsdp2 derives from a ``DeviceMesh`` once and reuses: DTensor specs shared by
+    every parameter of one layout (building one per parameter would dominate
+    ``fully_shard``'s time) and process groups (creating them is collective)."""
+
+    specs: dict[tuple[Any, ...], DTensorSpec] = field(default_factory=dict)
+    unflattened: dict[tuple[str, ...], DeviceMesh] = field(default_factory=dict)
+    block_groups: dict[int, list[tuple[tuple[int, ...], dist.ProcessGroup]]] = field(
+        default_factory=dict
+    )
+    separate_group: dist.ProcessGroup | None = None
+
+
+# By mesh identity (an equal mesh object gets its own groups, as its user would expect),
+# dropped when the mesh is garbage collected.
+_MESH_CACHES: dict[int, MeshCache] = {}
+
+
+def mesh_cache(mesh: DeviceMesh) -> MeshCache:
+    """``mesh``'s cache (created on first use; lives as long as ``mesh``)."""
+    cache = _MESH_CACHES.get(id(mesh))
+    if cache is None:
+        cache = _MESH_CACHES[id(mesh)] = MeshCache()
+        weakref.finalize(mesh, _MESH_CACHES.pop, id(mesh), None)
+    return cache

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -28,10 +28,16 @@ def _no_deepcopy(self: Any, memo: Any) -> NoReturn:
     )
 
 
-@functools.cache
+_FSDP_CLASSES: dict[type, type] = {}
+
+
 def _fsdp_class(cls: type) -> type:
     """``FSDP<cls>``: FSDPModule first in the MRO, one class per original class."""
-    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": _no_deepcopy})
+    fsdp_cls = _FSDP_CLASSES.get(cls)
+    if fsdp_cls is None:
+        fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": _no_deepcopy})
+        _FSDP_CLASSES[cls] = fsdp_cls
+    return fsdp_cls
 
 
 class UnshardHandle:
@@ -55,7 +61,7 @@ class FSDPModule:
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Constructing an FSDP class (e.g. nn.Sequential slicing builds
         # ``type(self)(...)``) builds the plain original class instead.
-        orig = cls.__mro__[2]
+        orig: Any = cls.__mro__[2]
         self = orig.__new__(orig)
         self.__init__(*args, **kwargs)
         return self
@@ -103,17 +109,13 @@ class FSDPModule:
         gradients locally (no communication) until a backward with ``True``
         reduces their sum: gradient accumulation without communication (FSDP1's
         ``no_sync``). For HSDP it covers both the reduce-scatter and the all-reduce."""
-        for st in self._fsdp_modules(recurse):
-            if st.group is not None:
-                st.group.reduce_grads = requires_gradient_sync
-                st.group.all_reduce_grads = requires_gradient_sync
+        sync = bool(requires_gradient_sync)
+        self._update(recurse, reduce={"sync": sync, "all_reduce": sync})
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: whether backward all-reduces over the replicate dim (``False``:
         reduce-scatter only)."""
-        for st in self._fsdp_modules(recurse):
-            if st.group is not None:
-                st.group.all_reduce_grads = requires_all_reduce
+        self._update(recurse, reduce={"all_reduce": bool(requires_all_reduce)})
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change ``reshard_after_forward`` at run time (e.g. ``True`` on the root,
@@ -125,8 +127,7 @@ class FSDPModule:
             )
         for st in self._fsdp_modules(recurse):
             st.auto_reshard = False
-            if st.group is not None:
-                st.group.set_post_forward(reshard_after_forward)
+        self._update(recurse, gather={"post_forward": reshard_after_forward})
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
@@ -134,16 +135,12 @@ class FSDPModule:
         """Whether backward frees the unsharded parameters; ``False`` keeps them
         for the next forward (more memory, no all-gather), e.g. between
         gradient-accumulation microbatches."""
-        for st in self._fsdp_modules(recurse):
-            if st.group is not None:
-                st.group.reshard_after_backward = reshard_after_backward
+        self._update(recurse, gather={"reshard_after_backward": bool(reshard_after_backward)})
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Whether this module's parameters are all-gathered for backward; set
         ``False`` only when backward does not need them (e.g. an embedding)."""
-        state = self._fsdp_state()
-        if state.group is not None:
-            state.group.unshard_in_backward = unshard_in_backward
+        self._update(False, gather={"unshard_in_backward": bool(unshard_in_backward)})
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for compatibility: every backward already waits for its
@@ -152,30 +149,26 @@ class FSDPModule:
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' parameters right after this module's own
         all-gather is issued in forward, instead of the implicit next module."""
-        self._fsdp_state_group_setter("fwd_prefetch", modules)
+        self._fsdp_state().fwd_prefetch = _prefetch_states(modules)
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' parameters right after this module's own
         all-gather in backward, instead of the implicit previous module."""
-        self._fsdp_state_group_setter("bwd_prefetch", modules)
-
-    def _fsdp_state_group_setter(self, attr: str, modules: list[FSDPModule]) -> None:
-        groups = []
-        for m in modules:
-            if not isinstance(m, FSDPModule):
-                raise ValueError(
-                    "prefetch lists take FSDP modules (passed to fully_shard), got "
-                    f"{type(m).__name__}"
-                )
-            g = m._fsdp_state().group
-            if g is not None:
-                groups.append(g)
-        state = self._fsdp_state()
-        if state.group is not None:
-            setattr(state.group, attr, groups)
+        self._fsdp_state().bwd_prefetch = _prefetch_states(modules)
 
     def _groups(self, recurse: bool = False) -> list[ParamGroup]:
         return [st.group for st in self._fsdp_modules(recurse) if st.group is not None]
+
+    def _update(
+        self,
+        recurse: bool,
+        gather: dict[str, Any] | None = None,
+        reduce: dict[str, Any] | None = None,
+    ) -> None:
+        """The one path every setter takes: change settings of this module's group (and
+        with ``recurse`` every group below it)."""
+        for g in self._groups(recurse):
+            g.update(gather=gather, reduce=reduce)
 
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
@@ -184,16 +177,14 @@ class FSDPModule:
         ranks using different parameters (mixture of experts, multi-modal
         branches) still issue matching reduce-scatters (DDP's
         ``find_unused_parameters``). Those parameters then get a gradient."""
-        for g in self._groups(recurse):
-            g.reduce_unused = bool(reduce_scatter_unused_params)
+        self._update(recurse, reduce={"reduce_unused": bool(reduce_scatter_unused_params)})
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced gradients by ``factor`` instead of the data-parallel
         world size (e.g. ``1.0`` for a summed loss). Not recursive."""
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
             raise ValueError(f"gradient divide factor must be a positive number, got {factor!r}")
-        for g in self._groups():
-            g.divide_factor = float(factor)
+        self._update(False, reduce={"divide_factor": float(factor)})
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated alias of :meth:`set_gradient_divide_factor`."""
@@ -207,8 +198,7 @@ class FSDPModule:
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Reduce with ``ReduceOp.SUM`` only and divide locally afterwards (for
         backends or custom collectives without ``AVG``). Not recursive."""
-        for g in self._groups():
-            g.force_sum = bool(enable)
+        self._update(False, reduce={"force_sum": bool(enable)})
 
     def set_all_reduce_hook(
         self, hook: Callable[[torch.Tensor], None], *, stream: Any = None
@@ -222,7 +212,7 @@ class FSDPModule:
         for g in self._groups():
             if stream is not None and g.info.replicate_group is not None:
                 raise ValueError("set_all_reduce_hook(stream=...) cannot be used with HSDP")
-            g.all_reduce_hook = hook if stream is None else _on_stream(hook, stream)
+        self._update(False, reduce={"hook": hook if stream is None else _on_stream(hook, stream)})
 
     def set_custom_all_gather(self, comm: AllGather) -> None:
         """Replace this module's all-gather by ``comm`` (which also allocates its
@@ -231,8 +221,7 @@ class FSDPModule:
             raise TypeError(
                 f"set_custom_all_gather expects an AllGather, got {type(comm).__name__}"
             )
-        for g in self._groups():
-            g.ag_comm = comm
+        self._update(False, gather={"comm": comm})
 
     def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
         """Replace this module's reduce-scatter by ``comm`` (which also allocates
@@ -241,8 +230,7 @@ class FSDPModule:
             raise TypeError(
                 f"set_custom_reduce_scatter expects a ReduceScatter, got {type(comm).__name__}"
             )
-        for g in self._groups():
-            g.rs_comm = comm
+        self._update(False, reduce={"comm": comm})
 
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
@@ -256,8 +244,7 @@ class FSDPModule:
             )
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be >= 1, got {max_input_buffers}")
-        for g in self._groups(recurse):
-            g.max_inflight = max_input_buffers
+        self._update(recurse, reduce={"max_inflight": max_input_buffers})
 
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
@@ -268,18 +255,17 @@ class FSDPModule:
         collective: call it on every rank alike. ``False`` goes back to the
         shared group."""
         for g in self._groups(recurse):
-            g.rs_group = separate_shard_group(g.info) if enable else None
+            g.update(reduce={"group": separate_shard_group(g.info) if enable else None})
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Allocate collective buffers from the process group's own allocator
         (NCCL zero-copy, e.g. SHARP). Backends without one (gloo) ignore it.
         Cannot be combined with custom collectives. Not recursive."""
         for g in self._groups():
-            if g.ag_comm is not None and not isinstance(g.ag_comm, _BackendAlloc):
+            if g.gather.comm is not None and not isinstance(g.gather.comm, _BackendAlloc):
                 raise ValueError("custom all-gather already set; it allocates its own buffers")
             comm = _BackendAlloc.for_group(g.info.shard_group, g.device) if enable else None
-            g.ag_comm = comm
-            g.rs_comm = _BackendAlloc.reduce_scatter(comm)
+            g.update(gather={"comm": comm}, reduce={"comm": comm})
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """torch 2.13's symmetric-memory all-gather buffers (NCCL copy-engine
@@ -333,6 +319,17 @@ class FSDPModule:
         return out
 
 
+def _prefetch_states(modules: list[FSDPModule]) -> list[FSDPState]:
+    states = []
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(
+                f"prefetch lists take FSDP modules (passed to fully_shard), got {type(m).__name__}"
+            )
+        states.append(m._fsdp_state())
+    return states
+
+
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make ``module.<method_name>`` (e.g. ``generate``) run with unsharded
     parameters, like ``forward``: the pre/post-forward logic wraps it. A no-op
@@ -382,8 +379,9 @@ def _on_stream(hook: Callable[[torch.Tensor], None], stream: Any) -> Callable[[t
     return run
 
 
-class _BackendAlloc(AllGather):
-    """Collectives whose buffers come from the process group's memory allocator."""
+class _BackendAlloc(AllGather, ReduceScatter):
+    """Collectives (all-gather and reduce-scatter) whose buffers come from the process
+    group's memory allocator."""
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool
@@ -398,28 +396,27 @@ class _BackendAlloc(AllGather):
             return None
         return cls(torch.cuda.MemPool(allocator))
 
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def allocate(
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         with torch.cuda.use_mem_pool(self.pool):
             return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor, input_tensor, group, async_op=False):  # type: ignore[no-untyped-def]
-        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
-
-    @staticmethod
-    def reduce_scatter(comm: _BackendAlloc | None) -> ReduceScatter | None:
-        if comm is None:
-            return None
-        return _BackendAllocReduceScatter(comm)
-
-
-class _BackendAllocReduceScatter(ReduceScatter):
-    def __init__(self, alloc: _BackendAlloc) -> None:
-        self.alloc = alloc
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self.alloc.allocate(size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # type: ignore[no-untyped-def]
-        return dist.reduce_scatter_single(
-            output_tensor, input_tensor, op=op, group=group, async_op=async_op
-        )
+    def __call__(  # one call for both bases: all-gather (no op) and reduce-scatter (op)
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        *args: Any,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        work: dist.Work | None
+        if args:  # reduce-scatter: (..., op)
+            work = dist.reduce_scatter_single(
+                output_tensor, input_tensor, op=args[0], group=group, async_op=async_op
+            )
+        else:
+            work = dist.all_gather_single(
+                output_tensor, input_tensor, group=group, async_op=async_op
+            )
+        return work

@@ -29,7 +29,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._extension import Extension, extension_of
-from ._mesh import MeshInfo, SPMDMesh
+from ._mesh import MeshInfo, SPMDMesh, mesh_cache
 from ._storage import contiguous_stride as _contiguous_stride
 
 
@@ -72,6 +72,7 @@ class FSDPParam:
         "global_shape",
         "ext",
         "stride",
+        "placeholder",
     )
 
     def __init__(
@@ -142,9 +143,14 @@ class FSDPParam:
         self.local_numel = rows * self.row_numel
         self.local_stride = torch.empty(self.local_shape, device="meta").stride()
         self.offset = -1
-        self.sharded: nn.Parameter = param  # replaced by the group
-        self.unsharded: nn.Parameter = param
-        self.spec = None
+        # The sharded parameter: a DTensor flagged as an nn.Parameter (``_dtensor_param``);
+        # the original parameter until the group builds it.
+        self.sharded: DTensor = param  # type: ignore[assignment]
+        # A plain nn.Parameter, or (TP) an nn.Parameter DTensor on the TP mesh; None for
+        # an extension parameter before its first all-gather.
+        self.unsharded: torch.Tensor | None = param
+        self.spec: DTensorSpec | None = None
+        self.placeholder: torch.Tensor | None = None  # see grad_dtensor
 
     def local_chunk(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's unpadded chunk of ``full``."""
@@ -167,7 +173,7 @@ class FSDPParam:
             self.local_shape, self.local_stride, flat.storage_offset() + self.offset
         )
 
-    def make_sharded(self, flat: torch.Tensor, info: MeshInfo) -> nn.Parameter:
+    def make_sharded(self, flat: torch.Tensor, info: MeshInfo) -> DTensor:
         local = self.local_view(flat)
         placements = info.placements(None if self.is_scalar else self.shard_dim)
         mesh = info.mesh
@@ -180,7 +186,7 @@ class FSDPParam:
 
     def make_sharded_ext(
         self, t: torch.Tensor, info: MeshInfo, device: torch.device, pin: bool
-    ) -> nn.Parameter:
+    ) -> DTensor:
         """The sharded parameter of an extension parameter: a DTensor around this
         rank's chunk of ``t`` as a tensor of ``t``'s own subclass, in its own storage
         (built with the ops such subclasses implement for torch's FSDP2)."""
@@ -224,7 +230,15 @@ class FSDPParam:
 
     def grad_dtensor(self, local: torch.Tensor) -> DTensor:
         """A gradient for the sharded parameter, wrapping ``local`` (no checks, no copy)."""
-        return _wrap(local, self.spec, False)
+        assert self.spec is not None, "grad_dtensor before the sharded parameter exists"
+        placeholder = self.placeholder
+        if placeholder is None or (placeholder.dtype, placeholder.device) != (
+            local.dtype,
+            local.device,
+        ):
+            assert self.spec is not None, "grad_dtensor before the sharded parameter exists"
+        placeholder = self.placeholder = local.new_empty(0)
+        return _wrap(local, self.spec, False, placeholder)
 
 
 def _spec(
@@ -232,7 +246,7 @@ def _spec(
 ) -> DTensorSpec:
     """A DTensor spec, shared by every parameter of the same layout on ``mesh``
     (building one per parameter dominates ``fully_shard``'s time otherwise)."""
-    cache: dict[tuple, DTensorSpec] = mesh.__dict__.setdefault("_fsdp2_specs", {})
+    cache = mesh_cache(mesh).specs
     key = (placements, tuple(shape), dtype)
     spec = cache.get(key)
     if spec is None:
@@ -241,33 +255,34 @@ def _spec(
     return spec
 
 
-_PLACEHOLDERS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def _wrap(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> DTensor:
+def _wrap(
+    local: torch.Tensor,
+    spec: DTensorSpec,
+    requires_grad: bool,
+    placeholder: torch.Tensor | None = None,
+) -> DTensor:
     """``DTensor(local, spec)`` whose wrapper has storage offset 0.
 
     torch 2.13 gives the wrapper ``local``'s storage offset; ours are views into a flat
     buffer, and a wrapper with a non-zero offset pickles (``torch.save``, ``copy.deepcopy``)
     as a plain tensor through its invalid storage and fails. So the wrapper is built around
-    an empty zero-offset placeholder of the same dtype and device, then given ``local``.
+    an empty zero-offset ``placeholder`` of the same dtype and device (a new one unless
+    given), then given ``local``.
     """
-    key = (local.dtype, local.device)
-    placeholder = _PLACEHOLDERS.get(key)
     if placeholder is None:
-        placeholder = _PLACEHOLDERS[key] = local.new_empty(0)
+        placeholder = local.new_empty(0)
     dt = DTensor(placeholder, spec, requires_grad=requires_grad)
     dt._local_tensor = local
     return dt
 
 
-def _dtensor_param(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> nn.Parameter:
+def _dtensor_param(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> DTensor:
     """``nn.Parameter(DTensor.from_local(local, ...))`` without the autograd
     round trip and detach: for tensor subclasses ``nn.Parameter`` is the tensor
     itself flagged ``_is_param``."""
     dt = _wrap(local, spec, requires_grad)
     dt._is_param = True  # what nn.Parameter.__new__ does for tensor subclasses
-    return dt  # type: ignore[return-value]
+    return dt
 
 
 class TPLayout:

@@ -1,5 +1,7 @@
-"""Per-``fully_shard`` state (the hooks) and the context one root shares with
-every state under it (step order, reductions in flight, final callback).
+"""The state layer: per-``fully_shard`` hooks (``FSDPState``) and what one root shares with
+every state under it (``StepContext``: the step's phase and order, the reduction queue,
+the final callback). Groups below it do storage and collectives when told; scheduling,
+step bookkeeping and the queue of reductions in flight live here.
 
 # [Note: one step]
 # pre-forward:   unshard this group (issue all-gather), prefetch the group that
@@ -10,16 +12,17 @@ every state under it (step order, reductions in flight, final callback).
 # pre-backward:  unshard (if resharded), prefetch the group that comes next in
 #                reverse post-forward order, wait.
 # post-backward: fires when every post-backward node registered this step has
-#                run, i.e. all of the group's backward is done: reduce-scatter
-#                the grads (async; the previous group's reduction is waited
-#                here, so one is in flight), reshard.
+#                run, i.e. all of the group's backward is done: the group starts
+#                its reduce-scatter and returns the reduction, queued here (older
+#                ones are pushed a stage on, so about one is in flight), reshard.
 # final callback (queued on the autograd engine by the first pre-backward):
 #                reduce what no post-backward reduced (unused inputs, params
-#                whose grads came late), wait all reductions, reshard, reset.
+#                whose grads came late), finish every reduction, reshard, reset.
 """
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +32,9 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from ._param_group import ParamGroup, Sharded, _Reduction
+from ._param_group import ParamGroup, Sharded
+from ._reduce import Reduction
+from ._tree_checks import check_materialized, validate_tree
 from .api import MixedPrecisionPolicy
 
 # torch.compile runs the engine's hooks eagerly (a graph break around each): they
@@ -43,97 +48,159 @@ def state_of(module: nn.Module) -> FSDPState | None:
     return module.__dict__.get(STATE_ATTR)
 
 
+class StepPhase(enum.Enum):
+    """Where a root's step is."""
+
+    IDLE = "idle"  # between steps, or after a forward whose backward has not begun
+    FORWARD = "forward"  # inside the root's forward
+    BACKWARD = "backward"  # from the first pre-backward hook to the final callback
+
+
+class TrainingState(enum.Enum):
+    """Where one ``fully_shard`` state is in the step."""
+
+    IDLE = "idle"
+    FORWARD = "forward"  # between its pre- and post-forward
+    PRE_BACKWARD = "pre-backward"  # its gradients are being computed (gathered for it)
+    POST_BACKWARD = "post-backward"  # its gradients were handed to reduction this step
+
+
+_T = TrainingState
+_LEGAL: dict[TrainingState, frozenset[TrainingState]] = {
+    _T.IDLE: frozenset({_T.FORWARD, _T.PRE_BACKWARD, _T.POST_BACKWARD}),
+    # a call whose backward starts before the root's forward ends: fully_shard([a, b])
+    # with only ``a`` run, or outputs used inside the forward
+    _T.FORWARD: frozenset({_T.IDLE, _T.FORWARD, _T.PRE_BACKWARD, _T.POST_BACKWARD}),
+    # a module used several times: gathered again after an earlier call's reduction
+    _T.PRE_BACKWARD: frozenset({_T.PRE_BACKWARD, _T.POST_BACKWARD, _T.IDLE}),
+    _T.POST_BACKWARD: frozenset({_T.PRE_BACKWARD, _T.POST_BACKWARD, _T.IDLE}),
+}
+
+
 class StepContext:
     """What all states under one root share."""
 
     def __init__(self, states: list[FSDPState]) -> None:
         self.states = states
-        self.groups = [s.group for s in states if s.group is not None]
-        self.in_backward = False
-        self.fwd_order: list[ParamGroup] = []
-        self.post_fwd_order: list[ParamGroup] = []
-        self.reductions: deque[_Reduction] = deque()
+        self.with_group = [s for s in states if s.group is not None]
+        self.phase = StepPhase.IDLE
+        self.fwd_order: list[FSDPState] = []
+        self.post_fwd_order: list[FSDPState] = []
+        self.reductions: deque[Reduction] = deque()
         self.pending_d2h = False
 
     # ---- reductions ------------------------------------------------------------
 
-    def add_reduction(self, reduction: _Reduction) -> None:
+    def add_reduction(self, reduction: Reduction) -> None:
         """Queue a reduction and push every older one but the newest
         ``max_inflight`` a stage on (wait its reduce-scatter, start its HSDP
         all-reduce, or land its gradients): gradients land as early as they
         can while few groups' gradient buffers are alive."""
         q = self.reductions
         q.append(reduction)
-        for old in list(q)[: -reduction.group.max_inflight]:
-            if old.advance():
+        for old in list(q)[: -reduction.group.reduce.max_inflight]:
+            if self._advance(old):
                 q.remove(old)
+
+    def _advance(self, reduction: Reduction) -> bool:
+        done = reduction.advance()
+        if done and reduction.host_copy:
+            self.pending_d2h = True  # synchronized by the final callback
+        return done
 
     def drain_reductions(self) -> None:
         q = self.reductions
         while q:
-            if q[0].advance():
+            if self._advance(q[0]):
                 q.popleft()
 
     # ---- step boundaries -------------------------------------------------------
 
     def begin_forward(self) -> None:
+        """The root's forward starts. From FORWARD too: a forward that raised (or a
+        root forward nested in a registered method) just starts over."""
+        self.phase = StepPhase.FORWARD
         self.fwd_order = []
         self.post_fwd_order = []
-        for g in self.groups:
+        for st in self.with_group:
+            g = st.group
+            assert g is not None
             if g.sharded_state is Sharded.SMALL:  # its backward never came: may be stale
                 g.reshard()
-            if g.sharded_state is Sharded.SHARDED and g.hooks_patched():
+            if g.sharded_state is Sharded.SHARDED:
                 g.adopt_patched_hooks()  # all-gather hooks given to local tensors since
 
     def end_forward(self) -> None:
-        """Link each group to the one that ran after it (next step's implicit
-        forward prefetch) and cancel all-gathers prefetched for groups that did
-        not run."""
+        """The root's forward ends: link each state to the one that ran after it (next
+        step's implicit forward prefetch) and cancel all-gathers prefetched for groups
+        that did not run."""
+        self.phase = StepPhase.IDLE
         order = self.fwd_order
         seen: set[int] = set()
-        for i, g in enumerate(order):
-            if id(g) in seen:
+        for i, st in enumerate(order):
+            if id(st) in seen:
                 continue
-            seen.add(id(g))
-            g.fwd_next = [order[i + 1]] if i + 1 < len(order) else []
-        for g in self.groups:
-            if g._pending_ag is not None:
-                g.reshard()
+            seen.add(id(st))
+            st.fwd_next = [order[i + 1]] if i + 1 < len(order) else []
+        for st in self.with_group:
+            assert st.group is not None
+            if st.group.has_pending_unshard():
+                st.group.reshard()
 
     def begin_backward(self) -> None:
-        self.in_backward = True
+        if self.phase is StepPhase.FORWARD:
+            raise RuntimeError(
+                "fsdp2: a backward reached sharded modules while the root's forward was "
+                "still running (e.g. torch.autograd.grad inside forward); fsdp2 reduces "
+                "gradients once per backward of a finished forward and cannot do that"
+            )
+        self.phase = StepPhase.BACKWARD
         order = self.post_fwd_order
-        for i, g in enumerate(order):  # later occurrences win: backward runs them first
-            g.bwd_next = [order[i - 1]] if i > 0 else []
+        for i, st in enumerate(order):  # later occurrences win: backward runs them first
+            st.bwd_next = [order[i - 1]] if i > 0 else []
         Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def check_recompute(self, name: str) -> None:
+        """A forward during the BACKWARD phase must be an activation-checkpoint
+        recompute, inside the backward; otherwise the last backward never finished."""
+        if torch._C._current_graph_task_id() == -1:
+            raise RuntimeError(
+                f"fsdp2: forward of {name} started while the previous backward never "
+                "finished (it raised, so its gradients were not reduced). Call "
+                "reset_iter_state() on the root module after catching the exception, "
+                "then run the step again"
+            )
 
     def reset(self) -> None:
         """Recover from an exception mid-step (``reset_iter_state``)."""
         for r in self.reductions:
             r.pending.wait()
         self.reductions.clear()
-        for g in self.groups:
-            g.reshard()
-            g.discard_grads()
-            g.reset_step()
-        self.in_backward = False
+        for st in self.with_group:
+            assert st.group is not None
+            st.group.reshard()
+            st.group.discard_grads()
+            st.end_step()
+        self.phase = StepPhase.IDLE
         self.fwd_order = []
         self.post_fwd_order = []
 
     def finish_backward(self) -> None:
         """The root's final callback: see [Note: one step]."""
-        for g in self.groups:
-            if g.has_unreduced_grads():  # reduce, or (no sync) accumulate in reduce_dtype
-                g.post_backward()
+        for st in self.with_group:
+            assert st.group is not None
+            if st.group.has_unreduced_grads():  # reduce, or (no sync) accumulate
+                st.post_backward()
         self.drain_reductions()
         if self.pending_d2h:  # offloaded grads copied asynchronously into pinned memory
             torch.accelerator.synchronize()
             self.pending_d2h = False
-        for g in self.groups:
-            if g.reshard_after_backward:
-                g.reshard()
-            g.reset_step()
-        self.in_backward = False
+        for st in self.with_group:
+            assert st.group is not None
+            if st.group.gather.reshard_after_backward:
+                st.group.reshard()
+            st.end_step()
+        self.phase = StepPhase.IDLE
         for st in self.states:
             for callback in st.backward_end_callbacks:
                 callback()
@@ -143,12 +210,12 @@ class _PostBackward(torch.autograd.Function):
     """Identity on a module's inputs; its backward runs after the module's."""
 
     @staticmethod
-    def forward(ctx, state: FSDPState, *inputs: torch.Tensor):  # type: ignore[override]
+    def forward(ctx, state: FSDPState, *inputs: torch.Tensor):  # type: ignore[no-untyped-def]
         ctx.state = state
         return inputs
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[no-untyped-def]
         ctx.state._post_backward_node_done()
         return (None, *grads)
 
@@ -163,7 +230,8 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
 
 
 class FSDPState:
-    """The hooks of one ``fully_shard`` call (one or several modules, one group)."""
+    """The hooks of one ``fully_shard`` call (one or several modules, one group) and
+    its place in the step."""
 
     def __init__(
         self,
@@ -177,21 +245,41 @@ class FSDPState:
         self.group = group
         self.mp_policy = mp_policy
         self.device = device
-        self.auto_reshard = auto_reshard
+        self.auto_reshard = auto_reshard  # reshard_after_forward=None: the root keeps
         self.ctx: StepContext | None = None
         self.is_root = False
         self.post_optim_event: torch.Event | None = None
         self.backward_end_callbacks: list[Callable[[], None]] = []  # see _seam.on_backward_end
-        self._fwd_left: set[int] = set()
-        self.handles = []
+        # prefetch: implicit (from last step's order) and explicit (setters) lists
+        self.fwd_next: list[FSDPState] = []
+        self.bwd_next: list[FSDPState] = []
+        self.fwd_prefetch: list[FSDPState] | None = None
+        self.bwd_prefetch: list[FSDPState] | None = None
+        # this step
+        self.training_state = TrainingState.IDLE
+        self.post_backward_pending = 0  # registered post-backward nodes still to fire
+        self.untracked_calls = 0  # forward calls whose inputs needed no grad (no node)
+        self._fwd_left: set[int] = set()  # fully_shard([a, b]): modules yet to run
         for m in modules:
             m.__dict__[STATE_ATTR] = self
-            self.handles.append(
-                m.register_forward_pre_hook(
-                    _eager(self._pre_forward), prepend=True, with_kwargs=True
-                )
+            m.register_forward_pre_hook(_eager(self._pre_forward), prepend=True, with_kwargs=True)
+            m.register_forward_hook(_eager(self._post_forward))
+
+    def _to(self, new: TrainingState, event: str) -> None:
+        old = self.training_state
+        if new not in _LEGAL[old]:
+            name = self.group.name if self.group is not None else type(self.modules[0]).__name__
+            raise RuntimeError(
+                f"fsdp2: {event} of fully_shard({name}) while it is in {old.value}; this "
+                "order of hooks is not supported (please report it, with how the model "
+                "is called)"
             )
-            self.handles.append(m.register_forward_hook(_eager(self._post_forward)))
+        self.training_state = new
+
+    def end_step(self) -> None:
+        self.training_state = TrainingState.IDLE
+        self.post_backward_pending = 0
+        self.untracked_calls = 0
 
     # ---- lazy init ---------------------------------------------------------------
 
@@ -205,21 +293,18 @@ class FSDPState:
                 if st is not None and id(st) not in seen:
                     seen.add(id(st))
                     states.append(st)
-        _validate_tree(states)
+        validate_tree(states)
         for st in states:  # parameters replaced since fully_shard (e.g. after to_empty)
             if st.group is not None:
                 st.group.adopt_registered()
-        _check_materialized(states, self.modules)
+        check_materialized(states, self.modules)
         ctx = StepContext(states)
         for st in states:
             st.ctx = ctx
             st.is_root = st is self
-            if st.group is not None:
-                st.group.ctx = ctx
-                st.group.adopt_patched_hooks()
         if self.auto_reshard and self.group is not None:
             # Its backward comes first: keep the root's params through it.
-            self.group.set_post_forward(False)
+            self.group.update(gather={"post_forward": False})
 
     # ---- forward -------------------------------------------------------------------
 
@@ -231,7 +316,10 @@ class FSDPState:
             self._lazy_init()
             ctx = self.ctx
             assert ctx is not None
-        if self.is_root and not ctx.in_backward:
+        recompute = ctx.phase is StepPhase.BACKWARD
+        if recompute:
+            ctx.check_recompute(type(module).__name__)
+        elif self.is_root:
             ctx.begin_forward()
             if self.post_optim_event is not None:
                 torch.accelerator.current_stream(self.device).wait_event(self.post_optim_event)
@@ -240,13 +328,15 @@ class FSDPState:
                 args, kwargs = tree_map(self._to_device, (args, kwargs))
         g = self.group
         if g is not None:
-            if ctx.in_backward:  # activation-checkpoint recompute
+            if recompute:  # activation-checkpoint recompute
                 g.wait_for_unshard()
             else:
-                ctx.fwd_order.append(g)
+                self._to(TrainingState.FORWARD, "forward")
+                ctx.fwd_order.append(self)
                 g.unshard()
-                for nxt in g.fwd_prefetch if g.fwd_prefetch is not None else g.fwd_next:
-                    nxt.unshard()
+                for nxt in self.fwd_prefetch if self.fwd_prefetch is not None else self.fwd_next:
+                    if nxt.group is not None:
+                        nxt.group.unshard()
                 g.wait_for_unshard()
                 if torch.is_grad_enabled():
                     args, kwargs = self._register_post_backward(args, kwargs)
@@ -263,27 +353,26 @@ class FSDPState:
     def _register_post_backward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        assert self.group is not None
         if args and not kwargs and all(type(a) is torch.Tensor and a.requires_grad for a in args):
-            self.group.post_backward_pending += 1  # the common case: (x,) needing grad
+            self.post_backward_pending += 1  # the common case: (x,) needing grad
             return _PostBackward.apply(self, *args), kwargs
         flat, spec = tree_flatten((args, kwargs))
         idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not idx:
             # This call's backward (if any) cannot be seen finishing: leave the
             # group's reduction to the final callback (see _post_backward_node_done).
-            self.group.untracked_calls += 1
+            self.untracked_calls += 1
             return args, kwargs
         outs = _PostBackward.apply(self, *(flat[i] for i in idx))
         for i, t in zip(idx, outs, strict=True):
             flat[i] = t
-        self.group.post_backward_pending += 1
-        return tree_unflatten(flat, spec)
+        self.post_backward_pending += 1
+        return tree_unflatten(flat, spec)  # type: ignore[no-any-return]
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         ctx = self.ctx
         assert ctx is not None
-        if ctx.in_backward:  # activation-checkpoint recompute: same output as the forward
+        if ctx.phase is StepPhase.BACKWARD:  # recompute: same output as the forward
             return self._cast_output(output)
         g = self.group
         training = torch.is_grad_enabled()
@@ -296,19 +385,21 @@ class FSDPState:
             else:
                 done = True
             if done:
+                self._to(TrainingState.IDLE, "end of forward")
                 if training:
                     g.after_forward()
                 else:
                     g.reshard()
             if training:
-                ctx.post_fwd_order.append(g)
+                ctx.post_fwd_order.append(self)
         if training:
             self._register_pre_backward(output)
         if self.is_root:
             ctx.end_forward()
             if not training:
-                for other in ctx.groups:
-                    other.reshard()
+                for st in ctx.with_group:
+                    assert st.group is not None
+                    st.group.reshard()
         return self._cast_output(output)
 
     def _cast_output(self, output: Any) -> Any:
@@ -334,74 +425,45 @@ class FSDPState:
     def _pre_backward(self, *unused: Any) -> None:
         ctx = self.ctx
         assert ctx is not None
-        if not ctx.in_backward:
+        if ctx.phase is not StepPhase.BACKWARD:
             ctx.begin_backward()
         g = self.group
-        if g is None or not g.unshard_in_backward:
+        if g is None or not g.gather.unshard_in_backward:
             return
+        self._to(TrainingState.PRE_BACKWARD, "backward")
         # Even after this group's post-backward (e.g. an earlier call whose
         # inputs needed no grad registered no post-backward node): gather again;
         # the final callback reduces what arrives afterwards.
         g.unshard()
-        for nxt in g.bwd_prefetch if g.bwd_prefetch is not None else g.bwd_next:
+        for nxt in self.bwd_prefetch if self.bwd_prefetch is not None else self.bwd_next:
             # A group with no trainable params whose inputs needed no grad has
             # no backward at all: do not gather it.
+            ng = nxt.group
             if (
-                not nxt.backward_done
-                and nxt.unshard_in_backward
-                and (nxt._grad_params or nxt.post_backward_pending)
+                ng is not None
+                and nxt.training_state is not TrainingState.POST_BACKWARD
+                and ng.gather.unshard_in_backward
+                and (ng.grad_params or nxt.post_backward_pending)
             ):
-                nxt.unshard()
+                ng.unshard()
         g.wait_for_unshard()
 
     def _post_backward_node_done(self) -> None:
-        g = self.group
-        assert g is not None
-        g.post_backward_pending -= 1
+        self.post_backward_pending -= 1
         # A call whose inputs needed no grad registered no node, yet its
         # backward may still be to come (fully_shard([a, b]) with ``a`` on the
         # data, or a module reused on the data): reduce once, at the end.
-        if g.post_backward_pending <= 0 and not g.backward_done and not g.untracked_calls:
-            g.post_backward()
+        if (
+            self.post_backward_pending <= 0
+            and self.training_state is not TrainingState.POST_BACKWARD
+            and not self.untracked_calls
+        ):
+            self.post_backward()
 
-
-def _check_materialized(states: list[FSDPState], roots: list[nn.Module]) -> None:
-    """Parameters left on the meta device cannot be gathered: say which (full names),
-    before any collective (torch's FSDP2 raises RuntimeError here too)."""
-    meta = [p.sharded for st in states if st.group for p in st.group.params if p.sharded.is_meta]
-    if meta:
-        names = {id(t): n for root in roots for n, t in root.named_parameters()}
-        on_meta = [names.get(id(t), "?") for t in meta]
-        listing = ", ".join(on_meta[:20]) + (
-            f" and {len(on_meta) - 20} more" if len(on_meta) > 20 else ""
-        )
-        raise RuntimeError(
-            f"fully_shard parameters must be materialized before the first forward, but these "
-            f"are still on the meta device: {listing}. Call model.to_empty(device=...) and then "
-            "initialize them (e.g. reset_parameters() on each module, or your init_weights())"
-        )
-
-
-def _validate_tree(states: list[FSDPState]) -> None:
-    owner: dict[int, str] = {}
-    devices: dict[torch.device, str] = {}
-    for st in states:
-        if st.group is None:
-            continue
-        g = st.group
-        devices.setdefault(g.device, g.name)
-        for p in g.params:
-            key = id(p.sharded)
-            if key in owner and owner[key] != g.name:
-                raise ValueError(
-                    f"parameter {p.fqn} is managed by both fully_shard({owner[key]}) and "
-                    f"fully_shard({g.name}); group the modules that share it in one call: "
-                    "fully_shard([a, b])"
-                )
-            owner[key] = g.name
-    if len(devices) > 1:
-        listing = ", ".join(f"{name} on {dev}" for dev, name in devices.items())
-        raise ValueError(
-            f"all fully_shard groups under one root must use one device, got {listing}; "
-            "pass the same mesh (or meshes on the same device type) to every fully_shard call"
-        )
+    def post_backward(self) -> None:
+        """Hand the group's gradients to reduction (queued on the step) and reshard."""
+        assert self.group is not None and self.ctx is not None
+        self._to(TrainingState.POST_BACKWARD, "post-backward")
+        reduction = self.group.post_backward()
+        if reduction is not None:
+            self.ctx.add_reduction(reduction)

@@ -206,10 +206,11 @@ def normalize_reshard_after_forward(value: object, shard_size: int) -> bool | in
 
 
 def _check_modules(module: object) -> list[nn.Module]:
-    modules = list(module) if isinstance(module, (list, tuple)) else [module]
-    if not modules:
+    items: list[object] = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not items:
         raise ValueError("fully_shard got an empty list of modules")
-    for m in modules:
+    modules: list[nn.Module] = []
+    for m in items:
         if not isinstance(m, nn.Module):
             raise TypeError(
                 f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}"
@@ -222,6 +223,7 @@ def _check_modules(module: object) -> list[nn.Module]:
             )
         if state_of(m) is not None:
             raise ValueError(f"{type(m).__name__} is already sharded by fully_shard")
+        modules.append(m)
     if len({id(m) for m in modules}) != len(modules):
         raise ValueError("fully_shard got the same module twice in its list")
     return modules
