@@ -6,6 +6,9 @@ place they touch the core's objects, so that the core can change behind it.
 * ``on_backward_end(module, callback)``: run ``callback`` after every backward that
   ``module``'s root drives, once its gradients have landed on the sharded parameters.
 * ``comm_device_type()``: the device type the default process group communicates on.
+* ``unit_settings(root)``: a read-only snapshot of what each ``fully_shard`` call under
+  ``root`` runs with (reshard after forward, policies, prefetch lists), so that a layer (or
+  its tests) can check what it configured without reading the core's objects.
 """
 
 from __future__ import annotations
@@ -14,11 +17,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from ._mesh import comm_device_type
 from ._state import FSDPState, state_of
+from .api import MixedPrecisionPolicy, OffloadPolicy
 
-__all__ = ["ManagedParam", "comm_device_type", "managed_params", "on_backward_end"]
+__all__ = [
+    "ManagedParam",
+    "UnitSettings",
+    "comm_device_type",
+    "managed_params",
+    "on_backward_end",
+    "unit_settings",
+]
 
 
 @dataclass(frozen=True)
@@ -27,7 +39,7 @@ class ManagedParam:
     owners whenever the group is resharded); ``owners`` the ``(module, name)`` pairs that
     register it (more than one for tied parameters)."""
 
-    sharded: nn.Parameter
+    sharded: DTensor
     owners: tuple[tuple[nn.Module, str], ...]
 
 
@@ -72,3 +84,51 @@ def on_backward_end(module: nn.Module, callback: Callable[[], None]) -> None:
     if st is None:
         raise ValueError(f"{type(module).__name__} was not passed to fully_shard")
     st.backward_end_callbacks.append(callback)
+
+
+@dataclass(frozen=True)
+class UnitSettings:
+    """What one ``fully_shard`` call runs with, now (a snapshot; changing it changes nothing).
+
+    Prefetch targets are named by the first module passed to their ``fully_shard`` call.
+    """
+
+    reshard_after_forward: bool | int
+    """The effective ``reshard_after_forward`` (``set_reshard_after_forward`` and the
+    root's default of ``False`` after its first forward included)."""
+    mp_policy: MixedPrecisionPolicy
+    offload_policy: OffloadPolicy
+    forward_prefetch: tuple[nn.Module, ...] | None
+    """The explicit ``set_modules_to_forward_prefetch`` list; ``None``: none was set."""
+    backward_prefetch: tuple[nn.Module, ...] | None
+    """The explicit ``set_modules_to_backward_prefetch`` list; ``None``: none was set."""
+    implicit_forward_prefetch: tuple[nn.Module, ...]
+    """What the pre-forward prefetches without an explicit list: the unit that ran right
+    after this one in the last forward (empty before the first forward, or for the last)."""
+
+
+def unit_settings(root: nn.Module) -> dict[nn.Module, UnitSettings]:
+    """The settings of every ``fully_shard`` call in ``root``'s subtree that manages
+    parameters, keyed by each module passed to it (in ``root.modules()`` order). Prefetch
+    targets outside ``root``'s subtree are left out of the tuples."""
+    states = _states(root, recurse=True)
+    first = {id(st): st.modules[0] for st in states if st.group is not None}
+
+    def named(targets: list[FSDPState]) -> tuple[nn.Module, ...]:
+        return tuple(first[id(t)] for t in targets if id(t) in first)
+
+    out: dict[nn.Module, UnitSettings] = {}
+    for m in root.modules():
+        st = state_of(m)
+        if st is None or st.group is None:
+            continue
+        g = st.group
+        out[m] = UnitSettings(
+            reshard_after_forward=g.gather.post_forward,
+            mp_policy=st.mp_policy,
+            offload_policy=g.offload_policy,
+            forward_prefetch=None if st.fwd_prefetch is None else named(st.fwd_prefetch),
+            backward_prefetch=None if st.bwd_prefetch is None else named(st.bwd_prefetch),
+            implicit_forward_prefetch=named(st.fwd_next),
+        )
+    return out

@@ -43,7 +43,7 @@ def clip_grad_norm_(
     norms = []
     for group in by_mesh.values():
         norm = torch.nn.utils.get_total_norm(
-            [p.grad for p in group], norm_type, error_if_nonfinite, foreach
+            [p.grad for p in group if p.grad is not None], norm_type, error_if_nonfinite, foreach
         )
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     total = torch.nn.utils.get_total_norm(norms, norm_type, error_if_nonfinite, foreach)

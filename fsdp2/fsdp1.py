@@ -7,6 +7,14 @@ the classes are our own; torch's FSDP1 enums, ``MixedPrecision``, ``CPUOffload``
 policies are accepted too (duck-typed: nothing here imports torch's FSDP1). See
 [Note: FSDP1 mapping].
 
+This module holds the configuration classes, ``shard_model`` and its meshes; the rest of the
+layer, re-exported here: ``_fsdp1_wrap`` (auto-wrap policies), ``_fsdp1_mixed_precision``
+(``MixedPrecision``'s hooks), ``_fsdp1_summon`` (``summon_full_params``),
+``_fsdp1_state_dict`` (state dict types and configs, model state dicts; [Note: FSDP1 state
+dicts]), ``_fsdp1_state_dict_type`` (the ``state_dict_type`` context), ``_fsdp1_optim``
+(optimizer state dicts; [Note: FSDP1 optimizer state dicts]) and ``_fsdp1_collectives``. The
+layer reaches the core only through fsdp2's public API and ``fsdp2._seam``.
+
 [Note: FSDP1 mapping]
 ``shard_model`` calls ``fully_shard`` on every wrap unit the policy selects, children before
 parents (post-order), then on the root, so each unit is one parameter group as in FSDP1.
@@ -55,20 +63,20 @@ parents (post-order), then on the root, so each unit is one parameter group as i
 from __future__ import annotations
 
 import enum
-import inspect
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.utils._pytree import tree_flatten, tree_map
 
-from ._fsdp1_state import (
+from . import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from ._fsdp1_mixed_precision import _cast_buffers, _cast_outputs_to_input_dtype, _LowPrecisionGrads
+from ._fsdp1_optim import init_optim_state, optim_state_dict, optim_state_dict_to_load
+from ._fsdp1_state_dict import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
     LocalOptimStateDictConfig,
@@ -80,20 +88,23 @@ from ._fsdp1_state import (
     StateDictSettings,
     StateDictType,
     _as_enum,
-    _device_type,
     get_state_dict,
-    get_state_dict_type,
-    init_optim_state,
     load_state_dict,
-    optim_state_dict,
-    optim_state_dict_to_load,
-    set_state_dict_type,
-    state_dict_type,
     strip_fsdp1_prefixes,
-    summon_full_params,
 )
-from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from .fully_shard import FSDPModule, fully_shard
+from ._fsdp1_state_dict_type import get_state_dict_type, set_state_dict_type, state_dict_type
+from ._fsdp1_summon import summon_full_params
+from ._fsdp1_wrap import (
+    AutoWrapPolicy,
+    _post_order_wrap,
+    _recursive_wrap,
+    _resolve_policy,
+    size_based_policy,
+)
+from ._seam import comm_device_type
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = [
     "BackwardPrefetch",
@@ -124,8 +135,7 @@ __all__ = [
     "summon_full_params",
 ]
 
-_E = TypeVar("_E", bound=enum.Enum)
-_V = TypeVar("_V")
+_D = TypeVar("_D", bound="DataclassInstance")
 
 
 class ShardingStrategy(enum.Enum):
@@ -205,50 +215,15 @@ class CPUOffload:
     offload_params: bool = False
 
 
-def _as_config(cls: type[_V], value: object, what: str) -> _V:
+def _as_config(cls: type[_D], value: object, what: str) -> _D:
     """``value`` if it is a ``cls``; torch's FSDP1 dataclass of the same name converted field
     by field (so FSDP1 objects can be passed while imports move over); else ``TypeError``."""
     if isinstance(value, cls):
         return value
-    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    names = [f.name for f in fields(cls)]
     if type(value).__name__ == cls.__name__ and all(hasattr(value, n) for n in names):
         return cls(**{n: getattr(value, n) for n in names})
     raise TypeError(f"shard_model: {what} must be fsdp2.fsdp1.{cls.__name__}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class _SizeBasedPolicy:
-    min_num_params: int
-
-    def __call__(
-        self, module: nn.Module, recurse: bool = False, nonwrapped_numel: int | None = None
-    ) -> bool:
-        if nonwrapped_numel is None:
-            nonwrapped_numel = _nonwrapped_numel(module)
-        large = nonwrapped_numel >= self.min_num_params
-        if recurse:
-            return large and not isinstance(module, nn.MultiheadAttention)
-        # no forward: fully_shard rejects containers
-        return large and not isinstance(module, (nn.ModuleList, nn.ModuleDict))
-
-
-def size_based_policy(min_num_params: int = int(1e8)) -> Callable[..., bool]:
-    """An auto-wrap policy with the selection of FSDP1's ``size_based_auto_wrap_policy``
-    (default ``force_leaf_modules`` / ``exclude_wrap_modules``): wrap a module if its subtree
-    holds at least ``min_num_params`` parameter elements not in a unit wrapped below it
-    (``shard_model`` visits children first); descend only into subtrees of at least that size
-    and never into ``nn.MultiheadAttention``. ``nn.ModuleList``/``nn.ModuleDict`` are never
-    selected; their parameters count toward the enclosing module. Shared parameters count
-    once per subtree. Also callable as ``policy(module)`` (counting what is not wrapped yet)."""
-    if not isinstance(min_num_params, int) or min_num_params < 0:
-        raise ValueError(
-            f"size_based_policy: min_num_params must be an int >= 0, got {min_num_params!r}"
-        )
-    return _SizeBasedPolicy(min_num_params)
-
-
-AutoWrapPolicy = set[type[nn.Module]] | frozenset[type[nn.Module]] | Callable[..., object]
-_RecursivePolicy = Callable[[nn.Module, bool, int], bool]
 
 
 def shard_model(
@@ -334,7 +309,7 @@ def shard_model(
             full_precision_classes = tuple(mp._module_classes_to_ignore)
         if mp.buffer_dtype is not None:
             _cast_buffers(model, mp.buffer_dtype, ignored, full_precision_classes)
-    low_precision_grads: list[tuple[FSDPModule, torch.dtype]] = []
+    low_precision_grads: list[tuple[nn.Module, torch.dtype]] = []
 
     def shard(module: nn.Module, is_root: bool, overrides: dict[str, object]) -> None:
         unit_strategy, unit_mp = strategy, mp
@@ -369,7 +344,7 @@ def shard_model(
                 reduce_dtype=unit_mp.reduce_dtype,
                 cast_forward_inputs=cast,
             )
-        unit = fully_shard(
+        fully_shard(
             module,
             mesh=mesh,
             reshard_after_forward=unit_strategy
@@ -386,7 +361,7 @@ def shard_model(
             and unit_mp.param_dtype is not None
             and not isinstance(module, full_precision_classes)
         ):
-            low_precision_grads.append((unit, unit_mp.param_dtype))
+            low_precision_grads.append((module, unit_mp.param_dtype))
 
     if recursive is not None:
         _recursive_wrap(model, recursive, mp is not None, full_precision_classes, ignored, shard)
@@ -408,250 +383,12 @@ def shard_model(
     return model
 
 
-def _resolve_policy(
-    policy: object, model: nn.Module, ignored: set[nn.Module], root_kwargs: dict[str, object]
-) -> tuple[dict[nn.Module, dict[str, object]] | None, _RecursivePolicy | None]:
-    """Either the units to wrap (module -> overrides of the root's arguments; FSDP1's
-    ``_Policy`` objects and sets of classes) or a recursive policy (FSDP1's policy
-    functions, called as ``(module, recurse, nonwrapped_numel)``)."""
-    if policy is None:
-        return {}, None
-    if isinstance(policy, (set, frozenset)):
-        classes = tuple(policy)
-        for cls in classes:
-            if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-                raise ValueError(
-                    f"shard_model: auto_wrap_policy set must hold nn.Module classes, got {cls!r}"
-                )
-        return {m: {} for m in model.modules() if m not in ignored and isinstance(m, classes)}, None
-    run_policy = getattr(policy, "_run_policy", None)
-    if callable(run_policy):  # FSDP1's policy objects (ModuleWrapPolicy, CustomPolicy, ...)
-        chosen = run_policy(model, ignored, dict(root_kwargs))
-        targets: dict[nn.Module, dict[str, object]] = {}
-        for module, kwargs in chosen.items():
-            targets[module] = {
-                k: v
-                for k, v in kwargs.items()
-                if k not in root_kwargs or not (v is root_kwargs[k] or v == root_kwargs[k])
-            }
-        return targets, None
-    if callable(policy):
-        three = _as_recursive(policy)
-        if three is not None:
-            return None, three
-        one = policy
-
-        def recursive(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
-            return recurse or bool(one(module))
-
-        return None, recursive
-    raise ValueError(
-        "shard_model: auto_wrap_policy must be None, a set of module classes, an FSDP1 policy "
-        "(ModuleWrapPolicy, CustomPolicy, or a function (module, recurse, nonwrapped_numel)), "
-        f"size_based_policy(n) or a callable module -> bool, got {policy!r}"
-    )
-
-
-def _as_recursive(fn: Callable[..., object]) -> _RecursivePolicy | None:
-    """``fn`` as ``(module, recurse, nonwrapped_numel) -> bool`` if its signature takes those
-    three arguments (by FSDP1's keyword names, or else positionally), else ``None``."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return None
-    try:
-        sig.bind(module=None, recurse=True, nonwrapped_numel=0)
-    except TypeError:
-        pass
-    else:
-        return lambda m, r, n: bool(fn(module=m, recurse=r, nonwrapped_numel=n))
-    try:
-        sig.bind(None, True, 0)
-    except TypeError:
-        return None
-    return lambda m, r, n: bool(fn(m, r, n))
-
-
-def _recursive_wrap(
-    model: nn.Module,
-    policy: _RecursivePolicy,
-    has_mp: bool,
-    full_precision_classes: tuple[type[nn.Module], ...],
-    ignored: set[nn.Module],
-    shard: Callable[[nn.Module, bool, dict[str, object]], None],
-) -> None:
-    """FSDP1's selection for policy functions: ask ``policy(module, True, numel)`` whether to
-    descend, wrap the children's subtrees, then ask ``policy(module, False, remainder)``
-    (``remainder``: the subtree's parameter numel minus what the children wrapped) whether to
-    wrap the module. The root is only descended into. With mixed precision FSDP1 ORs the
-    policy with "is a ``_module_classes_to_ignore`` module", which also makes it descend
-    everywhere."""
-    ignored_params = {p for m in ignored for p in m.parameters()}
-
-    def wants(module: nn.Module, recurse: bool, numel: int) -> bool:
-        if policy(module, recurse, numel):
-            return True
-        return has_mp and (recurse or isinstance(module, full_precision_classes))
-
-    def visit(module: nn.Module, is_root: bool) -> int:
-        numel = sum(p.numel() for p in module.parameters() if p not in ignored_params)
-        if isinstance(module, FSDPModule) and not is_root:
-            return numel  # already sharded (a module shared by two parents)
-        if not wants(module, True, numel):
-            return 0
-        wrapped = sum(visit(c, False) for c in module.children() if c not in ignored)
-        if not is_root and wants(module, False, numel - wrapped):
-            shard(module, False, {})
-            return numel
-        return wrapped
-
-    visit(model, True)
-
-
-def _post_order_wrap(
-    model: nn.Module,
-    targets: dict[nn.Module, dict[str, object]],
-    ignored: set[nn.Module],
-    shard: Callable[[nn.Module, bool, dict[str, object]], None],
-) -> None:
-    """Shard the ``targets`` (but the root) children first, each module once."""
-    seen = {model}
-
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            if child not in seen and child not in ignored:
-                seen.add(child)
-                visit(child)
-        if module is not model and module in targets and not isinstance(module, FSDPModule):
-            shard(module, False, targets[module])
-
-    visit(model)
-
-
-class _LowPrecisionGrads:
-    """``MixedPrecision.keep_low_precision_grads``, as FSDP1: when a backward ends (after
-    fsdp2's final callback), the sharded parameters' gradients become ``param_dtype``
-    tensors (the parameters keep their dtype: ``grad_dtype`` is relaxed); when the next
-    backward starts they are cast back, so that accumulation runs in full precision."""
-
-    def __init__(self, root: nn.Module, units: list[tuple[FSDPModule, torch.dtype]]) -> None:
-        self.units = units
-        self.queued = False
-        root.register_forward_hook(self._hook_outputs)
-
-    def _params(self) -> Iterator[tuple[nn.Parameter, torch.dtype]]:
-        for unit, dtype in self.units:
-            group = unit._fsdp_state().group
-            if group is not None:
-                for p in group.params:
-                    yield p.sharded, dtype
-
-    def _hook_outputs(self, module: nn.Module, args: object, output: object) -> None:
-        if not torch.is_grad_enabled():
-            return
-        self.queued = False  # a backward that raised never ran its callbacks
-        for t in tree_flatten(output)[0]:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(self._backward_starts)
-
-    def _backward_starts(self, grad: torch.Tensor) -> None:
-        if self.queued:
-            return
-        self.queued = True
-        with torch.no_grad():
-            for param, _ in self._params():
-                g = param.grad
-                if g is not None and g.dtype != param.dtype:
-                    param.grad = g.to(param.dtype)
-        engine = Variable._execution_engine
-        # fsdp2's final callback was queued by an earlier hook of this backward; a callback
-        # queued from a callback runs after every one queued before it
-        engine.queue_callback(lambda: engine.queue_callback(self._backward_ends))
-
-    def _backward_ends(self) -> None:
-        self.queued = False
-        with torch.no_grad():
-            for param, dtype in self._params():
-                g = param.grad
-                if g is not None and g.dtype != dtype:
-                    param.grad_dtype = None  # let a full-precision parameter hold it
-                    param.grad = g.to(dtype)
-
-
-def _cast_outputs_to_input_dtype(module: nn.Module) -> None:
-    """As FSDP1 does for ``_module_classes_to_ignore`` modules: cast the floating-point outputs
-    back to the dtype of the first floating-point input (before ``fully_shard`` casts it), so
-    the units after it see low-precision activations again."""
-    seen: list[torch.dtype | None] = []
-
-    def pre(mod: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
-        floats = [
-            t
-            for t in tree_flatten((args, kwargs))[0]
-            if isinstance(t, torch.Tensor) and t.is_floating_point()
-        ]
-        seen.append(floats[0].dtype if floats else None)
-
-    def post(
-        mod: nn.Module, args: tuple[object, ...], kwargs: dict[str, object], output: object
-    ) -> object:
-        dtype = seen.pop() if seen else None
-        if dtype is None:
-            return output
-
-        def cast(t: object) -> object:
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
-                return t.to(dtype)
-            return t
-
-        return tree_map(cast, output)
-
-    module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)  # before fsdp2's cast
-    module.register_forward_hook(post, with_kwargs=True)
-
-
 def _mesh_kind(strategy: ShardingStrategy) -> str:
     if strategy is ShardingStrategy.NO_SHARD:
         return "replicate"
     if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
         return "hybrid"
     return "shard"
-
-
-def _nonwrapped_numel(module: nn.Module) -> int:
-    seen: set[int] = set()
-    total = 0
-
-    def walk(m: nn.Module) -> None:
-        nonlocal total
-        for p in m.parameters(recurse=False):
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += p.numel()
-        for child in m.children():
-            if not isinstance(child, FSDPModule):
-                walk(child)
-
-    walk(module)
-    return total
-
-
-def _cast_buffers(
-    model: nn.Module,
-    dtype: torch.dtype,
-    ignored: set[nn.Module],
-    full_precision_classes: tuple[type[nn.Module], ...],
-) -> None:
-    def walk(m: nn.Module) -> None:
-        if m in ignored or isinstance(m, full_precision_classes):
-            return
-        for name, buf in m.named_buffers(recurse=False):
-            if buf is not None and buf.is_floating_point():
-                setattr(m, name, buf.to(dtype))
-        for child in m.children():
-            walk(child)
-
-    walk(model)
 
 
 def _mesh_for(strategy: ShardingStrategy, device_mesh: DeviceMesh | None) -> DeviceMesh:
@@ -690,7 +427,7 @@ def _mesh_for(strategy: ShardingStrategy, device_mesh: DeviceMesh | None) -> Dev
         return device_mesh
 
     world = dist.get_world_size()
-    device_type = _device_type()
+    device_type = comm_device_type()
     if strategy is ShardingStrategy.NO_SHARD:
         return init_device_mesh(device_type, (world, 1), mesh_dim_names=("replicate", "shard"))
     if not hybrid:

@@ -44,6 +44,7 @@ from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from fsdp2 import FSDPModule
+from fsdp2._seam import unit_settings
 from fsdp2.fsdp1 import (
     BackwardPrefetch,
     CPUOffload,
@@ -285,6 +286,36 @@ def test_core_does_not_import_fsdp1() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_fsdp1_layer_uses_only_public_api_and_seam() -> None:
+    """The layer's files (``fsdp2/fsdp1.py``, ``fsdp2/_fsdp1_*.py``) import from the core only
+    what ``fsdp2`` exports, ``fsdp2.api`` and ``fsdp2._seam``, and touch no private attribute
+    of the core's objects, so that the core can change behind ``fsdp2._seam``."""
+    import ast
+    import pathlib
+
+    import fsdp2
+
+    package = pathlib.Path(fsdp2.__file__).parent
+    files = [package / "fsdp1.py", *sorted(package.glob("_fsdp1_*.py"))]
+    assert len(files) > 1
+    allowed_modules = {"api", "_seam"} | {f.stem for f in files}
+    bad = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                if node.module is None:  # from . import X: the package's public names
+                    bad += [
+                        f"{path.name}: .{a.name}" for a in node.names if a.name not in fsdp2.__all__
+                    ]
+                elif node.module not in allowed_modules:
+                    bad.append(f"{path.name}: from .{node.module}")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fsdp2"):
+                bad.append(f"{path.name}: from {node.module}")
+            elif isinstance(node, ast.Attribute) and node.attr.startswith("_fsdp"):
+                bad.append(f"{path.name}:{node.lineno}: .{node.attr}")
+    assert not bad, bad
+
+
 def _ignored_and_meshes() -> dict[str, object]:
     model = build(MODEL)
     shard_model(
@@ -453,10 +484,11 @@ def _policy_units() -> dict[str, tuple[list[str], list[str], dict[str, bool]]]:
             kw["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16)
         shard_model(ours, auto_wrap_policy=_make_policy(our_name or torch_name, ours), **kw)
         got = sorted(n or "<root>" for n, m in ours.named_modules() if isinstance(m, FSDPModule))
+        settings = unit_settings(ours)  # the units that manage parameters
         reshard = {
-            n or "<root>": bool(m._fsdp_state().group.post_forward)
+            n or "<root>": bool(settings[m].reshard_after_forward)
             for n, m in ours.named_modules()
-            if isinstance(m, FSDPModule) and m._fsdp_state().group is not None
+            if isinstance(m, FSDPModule) and m in settings
         }
         out[case] = (want, got, reshard)
     return out
@@ -518,7 +550,7 @@ def _bad_policies() -> None:
         mixed_precision=TorchMixedPrecision(param_dtype=torch.bfloat16),
         cpu_offload=TorchCPUOffload(offload_params=True),
     )
-    assert model._fsdp_state().mp_policy.param_dtype == torch.bfloat16
+    assert unit_settings(model)[model].mp_policy.param_dtype == torch.bfloat16
     with pytest.raises(TypeError, match="mixed_precision"):
         shard_model(build(MODEL), mixed_precision=torch.bfloat16)  # type: ignore[arg-type]
 
@@ -558,12 +590,12 @@ class _Shuffled(nn.Module):
         return self.head(x)
 
 
-def _unit_names(model: nn.Module) -> dict[int, str]:
-    return {
-        id(m._fsdp_state().group): n or "<root>"
-        for n, m in model.named_modules()
-        if isinstance(m, FSDPModule)
-    }
+def _unit_names(model: nn.Module) -> dict[nn.Module, str]:
+    return {m: n or "<root>" for n, m in model.named_modules() if isinstance(m, FSDPModule)}
+
+
+def _as_list(units: tuple[nn.Module, ...] | None) -> list[nn.Module] | None:
+    return None if units is None else list(units)
 
 
 def _prefetch_orders() -> dict[str, object]:
@@ -600,11 +632,13 @@ def _prefetch_orders() -> dict[str, object]:
             _check_close(losses[key], losses["ref"], f"{key} loss")
     ours = models["fsdp2"]
     names = _unit_names(ours)
-    chain, group = [], ours._fsdp_state().group
-    while group is not None:  # the implicit forward prefetch: each unit's next
-        assert group.fwd_prefetch is None, "no explicit forward prefetch list"
-        chain.append(names[id(group)])
-        group = group.fwd_next[0] if group.fwd_next else None
+    settings = unit_settings(ours)
+    chain, unit = [], ours
+    while unit is not None:  # the implicit forward prefetch: each unit's next
+        assert settings[unit].forward_prefetch is None, "no explicit forward prefetch list"
+        chain.append(names[unit])
+        nxt = settings[unit].implicit_forward_prefetch
+        unit = nxt[0] if nxt else None
     torch_names = {
         id(m._handle): n.replace("_fsdp_wrapped_module.", "") or "<root>"
         for n, m in models["torch"].named_modules()
@@ -620,8 +654,9 @@ def _prefetch_orders() -> dict[str, object]:
             auto_wrap_policy={MLPBlock},
             backward_prefetch=None if prefetch is None else BackwardPrefetch[prefetch],
         )
+        settings = unit_settings(model)
         bwd[str(prefetch)] = {
-            n or "<root>": m._fsdp_state().group.bwd_prefetch
+            n or "<root>": _as_list(settings[m].backward_prefetch)
             for n, m in model.named_modules()
             if isinstance(m, FSDPModule)
         }

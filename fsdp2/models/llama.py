@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -70,7 +71,9 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def rotary_tables(head_dim: int, seq_len: int, theta: float, device=None) -> torch.Tensor:
+def rotary_tables(
+    head_dim: int, seq_len: int, theta: float, device: torch.device | str | None = None
+) -> torch.Tensor:
     """``(seq_len, head_dim // 2, 2)``: cos and sin of each position's angles."""
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
     angles = torch.outer(torch.arange(seq_len, device=device).float(), inv)
@@ -107,7 +110,8 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
         )
-        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+        proj: torch.Tensor = self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+        return proj
 
 
 class FeedForward(nn.Module):
@@ -119,7 +123,8 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(cfg.dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        out: torch.Tensor = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return out
 
 
 class TransformerBlock(nn.Module):
@@ -133,8 +138,9 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h: torch.Tensor = x + self.attention(self.attention_norm(x), rope)
+        out: torch.Tensor = h + self.feed_forward(self.ffn_norm(h))
+        return out
 
 
 class Llama(nn.Module):
@@ -143,6 +149,8 @@ class Llama(nn.Module):
     ``forward(tokens)`` returns logits ``(batch, seq, vocab)``; with
     ``targets`` it returns the mean cross-entropy loss instead.
     """
+
+    rope: torch.Tensor  # the rotary tables (a non-persistent buffer)
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -156,7 +164,7 @@ class Llama(nn.Module):
         self.register_buffer("rope", self._rope(None), persistent=False)
         self.init_weights()
 
-    def _rope(self, device) -> torch.Tensor:
+    def _rope(self, device: torch.device | None) -> torch.Tensor:
         cfg = self.cfg
         return rotary_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, device)
 
@@ -169,7 +177,8 @@ class Llama(nn.Module):
         std = 0.02
         nn.init.normal_(self.tok_embeddings.weight, std=std if self.cfg.tie_embeddings else 1.0)
         depth_std = std / math.sqrt(2 * self.cfg.n_layers)
-        for block in self.layers:
+        for layer in self.layers:
+            block = cast(TransformerBlock, layer)  # or a wrapper forwarding its attributes
             for lin in (block.attention.wq, block.attention.wk, block.attention.wv):
                 nn.init.trunc_normal_(lin.weight, std=std)
             for lin in (block.feed_forward.w1, block.feed_forward.w3):
@@ -186,7 +195,7 @@ class Llama(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, self.rope)
-        logits = self.output(self.norm(h))
+        logits: torch.Tensor = self.output(self.norm(h))
         if targets is None:
             return logits
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
