@@ -2,13 +2,19 @@
 
 Runs fsdp2 and torch's FSDP2 interleaved in the same process group and prints
 median step time and fully_shard init time per implementation, with ratios.
+``--baseline DIR`` adds another fsdp2 (the ``fsdp2`` package under DIR, e.g. a
+``git worktree`` of an older commit) as a third implementation, to measure a
+change A/B in one run.
 
     python benchmarks/overhead.py --layers 64 --world-size 2
+    git worktree add /tmp/before HEAD~1
+    python benchmarks/overhead.py --baseline /tmp/before
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import sys
@@ -26,9 +32,23 @@ def build(layers: int, dim: int) -> nn.Module:
     return nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), nn.ReLU()) for _ in range(layers)])
 
 
+def load_baseline(root: str) -> None:
+    """Import ``root``/fsdp2 as the package ``fsdp2_baseline``."""
+    init = os.path.join(root, "fsdp2", "__init__.py")
+    spec = importlib.util.spec_from_file_location(
+        "fsdp2_baseline", init, submodule_search_locations=[os.path.dirname(init)]
+    )
+    assert spec is not None and spec.loader is not None, f"no fsdp2 package under {root}"
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fsdp2_baseline"] = module
+    spec.loader.exec_module(module)
+
+
 def shard_with(impl: str, model: nn.Module, mesh) -> float:
     if impl == "fsdp2":
         from fsdp2 import fully_shard
+    elif impl == "baseline":
+        fully_shard = sys.modules["fsdp2_baseline"].fully_shard
     else:
         from torch.distributed.fsdp import fully_shard
     t0 = time.perf_counter()
@@ -44,6 +64,9 @@ def worker(rank: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (args.world_size,))
     impls = ["fsdp2", "torch"]
+    if args.baseline:
+        load_baseline(args.baseline)
+        impls.append("baseline")
     models, opts, inits = {}, {}, {i: [] for i in impls}
     for impl in impls:
         m = build(args.layers, args.dim)
@@ -78,6 +101,11 @@ def worker(rank: int, args: argparse.Namespace) -> None:
         step_ratio = med["fsdp2"] / med["torch"]
         init_ratio = ini["fsdp2"] / ini["torch"]
         print(f"ratio fsdp2/torch: step {step_ratio:.2f}x, init {init_ratio:.2f}x")
+        if args.baseline:
+            print(
+                f"ratio fsdp2/baseline: step {med['fsdp2'] / med['baseline']:.2f}x, "
+                f"init {ini['fsdp2'] / ini['baseline']:.2f}x"
+            )
     dist.destroy_process_group()
 
 
@@ -89,6 +117,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--port", type=int, default=29533)
+    ap.add_argument("--baseline", help="a directory holding another fsdp2 package to compare")
     args = ap.parse_args()
     mp.spawn(worker, args=(args,), nprocs=args.world_size)
 
