@@ -399,8 +399,8 @@ class ParamGroup:
         self.register_sharded()
 
     def _drop_small(self) -> None:
-        assert self.small is not None
-        self.small.flat = None
+        if self.small is not None:  # None if reshard_after_forward changed meanwhile
+            self.small.flat = None
         self.sharded_state = Sharded.SHARDED
 
     def after_forward(self) -> None:

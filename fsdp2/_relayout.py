@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ._extension import extension_of
@@ -114,9 +115,11 @@ def _as_sharded(p: FSDPParam, cur: torch.Tensor) -> DTensor:
             "would drop the tensor subclass. Load without assign=True (values are "
             "copied into the subclass) or assign values of the same subclass"
         )
-    if not getattr(cur, "_is_param", False):  # a DTensor that is no Parameter yet
-        cur._is_param = True  # what nn.Parameter() does for tensor subclasses
-    return cur
+    if getattr(cur, "_is_param", False):
+        return cur
+    param = nn.Parameter(cur, cur.requires_grad)  # a detached DTensor flagged as a Parameter
+    assert isinstance(param, DTensor)
+    return param
 
 
 def resync_after_apply(group: ParamGroup) -> None:
