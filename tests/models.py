@@ -1,13 +1,13 @@
 """Small deterministic models and training helpers shared by the distributed tests.
 
-Both models keep their shardable blocks in ``self.layers`` (an ``nn.ModuleList``) so a test
+Every model keeps its shardable blocks in ``self.layers`` (an ``nn.ModuleList``) so a test
 shards them the usual way (``shard_model``: every block, then the root). Sizes are uneven on
 purpose: with 2 or 4 ranks some dim-0 shards are padded and some ranks hold no rows at all
-(``MLPStack``'s last ``Linear(3, 1)``, the vocabulary of 37 rows).
+(``MLPStack``'s last ``Linear(3, 1)``, the vocabulary of 37 rows, ``ResidualNet``'s 6 features
+on 4 ranks: 2, 2, 2, 0 rows).
 
 Build every copy of a model under the same seed (``build``) and feed every engine the same
-global batch (``mlp_batch`` / ``transformer_batch``); a rank trains on its slice of it
-(``rank_slice``).
+global batch (``make_batch``); a rank trains on its slice of it (``rank_slice``).
 """
 
 from __future__ import annotations
@@ -19,13 +19,18 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 __all__ = [
     "MLPBlock",
     "MLPStack",
+    "ResidualBlock",
+    "ResidualNet",
     "TinyTransformer",
     "TransformerBlock",
     "build",
+    "full_value",
     "full_grads",
     "full_params",
     "local_loss",
@@ -142,6 +147,54 @@ class TinyTransformer(nn.Module):
         return self.head(self.norm(x))
 
 
+class ResidualBlock(nn.Module):
+    """``x + lin2(tanh(lin1(x)))``."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(dim, dim)
+        self.lin2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin2(torch.tanh(self.lin1(x)))
+
+
+class ResidualNet(nn.Module):
+    """``inp -> layers -> out``: the root holds parameters on both sides of its blocks.
+
+    Flags change the forward between steps: ``skip`` (the index of a block to leave out),
+    ``reuse_first`` (call ``layers[0]`` twice), ``checkpoint`` (``None``: no activation
+    checkpointing; else each block under ``checkpoint(use_reentrant=checkpoint)``).
+    ``generate`` uses the root's own parameters outside ``forward``.
+    """
+
+    def __init__(self, d_in: int = 5, dim: int = 6, d_out: int = 3, n_layers: int = 2) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d_in, dim)
+        self.layers = nn.ModuleList(ResidualBlock(dim) for _ in range(n_layers))
+        self.out = nn.Linear(dim, d_out)
+        self.skip: int | None = None
+        self.reuse_first = False
+        self.checkpoint: bool | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for i, block in enumerate(self.layers):
+            if i == self.skip:
+                continue
+            if self.checkpoint is None:
+                h = block(h)
+            else:
+                h = checkpoint(block, h, use_reentrant=self.checkpoint)
+            if self.reuse_first and i == 0:
+                h = block(h)
+        return self.out(h)
+
+    def generate(self, x: torch.Tensor) -> torch.Tensor:
+        """Uses the root's own parameters outside ``forward``."""
+        return self.out(torch.relu(self.inp(x))) * 2
+
+
 # ---------------------------------------------------------------------------------------------
 # Building, data, training helpers
 
@@ -149,7 +202,9 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "mlp": lambda: MLPStack((7, 5, 3, 1)),
     "mlp_head": lambda: MLPStack((7, 5, 3, 1), head_dim=2),
     "transformer": lambda: TinyTransformer(),
+    "residual": lambda: ResidualNet(),
 }
+_IO_DIMS = {"mlp": (7, 1), "mlp_head": (7, 2), "residual": (5, 3)}  # (input, output) features
 
 
 def build(name: str, seed: int = 0) -> nn.Module:
@@ -184,7 +239,7 @@ def make_batch(name: str, step: int, global_batch: int = 8) -> tuple[torch.Tenso
     if name == "transformer":
         tokens = torch.randint(0, 37, (global_batch, 9), generator=g)
         return tokens[:, :-1], tokens[:, 1:]
-    model_in, model_out = (7, 2) if name == "mlp_head" else (7, 1)
+    model_in, model_out = _IO_DIMS[name]
     x = torch.randn(global_batch, model_in, generator=g)
     y = torch.randn(global_batch, model_out, generator=g)
     return x, y
@@ -222,17 +277,20 @@ def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
     return t / dist.get_world_size()
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    full = t.full_tensor() if hasattr(t, "full_tensor") else t
-    return full.detach().clone()
+def full_value(t: Any) -> Any:
+    """A detached copy of the full (unsharded) value of ``t``: ``full_tensor()`` of a DTensor
+    (collective), a clone of a plain tensor; anything else (``None``, a Python number) as is."""
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    return t.detach().clone() if isinstance(t, torch.Tensor) else t
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """``name -> full (unsharded) parameter`` for every parameter; collective for DTensors."""
-    return {n: _full(p) for n, p in model.named_parameters()}
+    return {n: full_value(p) for n, p in model.named_parameters()}
 
 
 def full_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     """``name -> full gradient`` (``None`` where a parameter has none); collective for
     DTensor gradients, so every rank must call it."""
-    return {n: None if p.grad is None else _full(p.grad) for n, p in model.named_parameters()}
+    return {n: full_value(p.grad) for n, p in model.named_parameters()}
