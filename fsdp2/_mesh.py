@@ -277,6 +277,15 @@ class MeshCache:
         default_factory=dict
     )
     separate_group: dist.ProcessGroup | None = None
+    placeholders: dict[tuple[torch.dtype, torch.device], torch.Tensor] = field(default_factory=dict)
+
+    def placeholder(self, like: torch.Tensor) -> torch.Tensor:
+        """An empty tensor of ``like``'s dtype and device (see ``_param._wrap``)."""
+        key = (like.dtype, like.device)
+        t = self.placeholders.get(key)
+        if t is None:
+            t = self.placeholders[key] = like.new_empty(0)
+        return t
 
 
 # By mesh identity (an equal mesh object gets its own groups, as its user would expect),

@@ -180,7 +180,8 @@ class FSDPParam:
         if self.tp is not None:
             mesh, placements = self.tp.sharded_layout(info, placements, self.shard_dim)
         spec = _spec(mesh, tuple(placements), self.global_shape, local.dtype)
-        self.sharded = _dtensor_param(local, spec, self.requires_grad)
+        self.placeholder = mesh_cache(mesh).placeholder(local)
+        self.sharded = _dtensor_param(local, spec, self.requires_grad, self.placeholder)
         self.spec = self.sharded._spec  # reused for every gradient: see land_grads
         return self.sharded
 
@@ -210,7 +211,8 @@ class FSDPParam:
         if self.tp is not None:
             mesh, placements = self.tp.sharded_layout(info, placements, 0)
         spec = _spec(mesh, tuple(placements), self.global_shape, local.dtype)
-        self.sharded = _dtensor_param(local, spec, self.requires_grad)
+        self.placeholder = mesh_cache(mesh).placeholder(local)
+        self.sharded = _dtensor_param(local, spec, self.requires_grad, self.placeholder)
         self.spec = self.sharded._spec
         return self.sharded
 
@@ -276,11 +278,16 @@ def _wrap(
     return dt
 
 
-def _dtensor_param(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> DTensor:
+def _dtensor_param(
+    local: torch.Tensor,
+    spec: DTensorSpec,
+    requires_grad: bool,
+    placeholder: torch.Tensor | None = None,
+) -> DTensor:
     """``nn.Parameter(DTensor.from_local(local, ...))`` without the autograd
     round trip and detach: for tensor subclasses ``nn.Parameter`` is the tensor
     itself flagged ``_is_param``."""
-    dt = _wrap(local, spec, requires_grad)
+    dt = _wrap(local, spec, requires_grad, placeholder)
     dt._is_param = True  # what nn.Parameter.__new__ does for tensor subclasses
     return dt
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn as nn
@@ -39,7 +39,12 @@ from .api import MixedPrecisionPolicy
 
 # torch.compile runs the engine's hooks eagerly (a graph break around each): they
 # move storages and issue collectives, which must not be traced. See docs/compile.md.
-_eager = torch.compiler.disable
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _eager(fn: _F) -> _F:
+    return cast(_F, torch.compiler.disable(fn))
+
 
 STATE_ATTR = "_fsdp2_state"
 
@@ -262,8 +267,8 @@ class FSDPState:
         self._fwd_left: set[int] = set()  # fully_shard([a, b]): modules yet to run
         for m in modules:
             m.__dict__[STATE_ATTR] = self
-            m.register_forward_pre_hook(_eager(self._pre_forward), prepend=True, with_kwargs=True)
-            m.register_forward_hook(_eager(self._post_forward))
+            m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            m.register_forward_hook(self._post_forward)
 
     def _to(self, new: TrainingState, event: str) -> None:
         old = self.training_state
@@ -308,6 +313,7 @@ class FSDPState:
 
     # ---- forward -------------------------------------------------------------------
 
+    @_eager
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -369,6 +375,7 @@ class FSDPState:
         self.post_backward_pending += 1
         return tree_unflatten(flat, spec)  # type: ignore[no-any-return]
 
+    @_eager
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         ctx = self.ctx
         assert ctx is not None
