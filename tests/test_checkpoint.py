@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -39,10 +38,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from _harness import run_on_ranks
+from helpers import ENGINES, hsdp_mesh, world_mesh
 from models import (
     MLPStack,
     build,
     full_params,
+    full_value,
     local_loss,
     make_batch,
     make_optimizer,
@@ -59,15 +60,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-
-import fsdp2
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 EXACT = {"atol": 0.0, "rtol": 0.0}
-ENGINES: dict[str, Callable[..., Any]] = {"fsdp2": fsdp2.fully_shard, "torch": torch_fully_shard}
 MODEL_NAMES = ["mlp", "transformer"]  # uneven shards (empty ones on 4 ranks); a tied weight
 # name -> (world size, mesh shape); HSDP meshes need dim names for torch's fully_shard
 LAYOUTS: dict[str, tuple[int, tuple[int, ...]]] = {
@@ -78,11 +75,10 @@ LAYOUTS: dict[str, tuple[int, tuple[int, ...]]] = {
 STEPS_BEFORE, STEPS_AFTER = 2, 2
 
 
-def _mesh(layout: str) -> DeviceMesh:
+def _layout_mesh(layout: str) -> DeviceMesh:
     world_size, shape = LAYOUTS[layout]
     assert dist.get_world_size() == world_size, f"{layout} needs {world_size} ranks"
-    names = ("replicate", "shard") if len(shape) == 2 else None
-    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return hsdp_mesh(shape) if len(shape) == 2 else world_mesh()
 
 
 def _sharded(engine: str, model_name: str, mesh: DeviceMesh, seed: int = 0) -> nn.Module:
@@ -101,19 +97,13 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, model_name: str, s
     return mean_over_ranks(loss).item()
 
 
-def _full(t: Any) -> Any:
-    if isinstance(t, DTensor):
-        return t.full_tensor().detach().clone()
-    return t.detach().clone() if isinstance(t, torch.Tensor) else t
-
-
 def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """Full parameters and full optimizer state by parameter name (collective)."""
     names = {id(p): n for n, p in model.named_parameters()}
     optim = {}
     for p in model.parameters():  # a fixed order on every rank: full_tensor() is collective
         state = opt.state.get(p, {})
-        optim[names[id(p)]] = {k: _full(state[k]) for k in sorted(state)}
+        optim[names[id(p)]] = {k: full_value(state[k]) for k in sorted(state)}
     return {"params": full_params(model), "optim": optim}
 
 
@@ -147,7 +137,7 @@ def _same_parameters(before: list[nn.Parameter], model: nn.Module, what: str) ->
 
 
 def _state_dict_layout(model_name: str, layout: str) -> None:
-    mesh = _mesh(layout)
+    mesh = _layout_mesh(layout)
     ref = build(model_name)
     want_keys = list(ref.state_dict().keys())
     placements = {}
@@ -161,12 +151,14 @@ def _state_dict_layout(model_name: str, layout: str) -> None:
                 value.full_tensor(),
                 ref.state_dict()[key],
                 **EXACT,
-                msg=lambda m, k=key: f"{k}: {m}",
+                msg=lambda m, k=key, e=engine: f"{e} {k}: {m}",
             )
         placements[engine] = {
             k: (tuple(v.placements), tuple(v.to_local().shape)) for k, v in sd.items()
         }
-    assert placements["fsdp2"] == placements["torch"]
+    assert placements["fsdp2"] == placements["torch"], (
+        f"placements and local shapes: fsdp2 {placements['fsdp2']}, torch {placements['torch']}"
+    )
 
 
 @pytest.mark.parametrize("layout", ["fsdp2", "fsdp4", "hsdp2x2"])
@@ -175,66 +167,56 @@ def test_state_dict_keys_and_values(model_name: str, layout: str) -> None:
     run_on_ranks(LAYOUTS[layout][0], _state_dict_layout, model_name, layout)
 
 
-def _buffers_in_state_dict() -> None:
-    mesh = _mesh("fsdp2")
-    for engine, fn in ENGINES.items():
-        model = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4))
-        fn(model, mesh=mesh)
-        sd = model.state_dict()
-        assert list(sd) == list(nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4)).state_dict())
-        for key in ("1.running_mean", "1.running_var", "1.num_batches_tracked"):
-            assert not isinstance(sd[key], DTensor), f"{engine}: buffer {key} is a DTensor"
-        src = {k: v.clone() for k, v in sd.items()}
-        src["1.running_mean"] = torch.arange(4.0)
-        model.load_state_dict(src)
-        assert torch.equal(model[1].running_mean, torch.arange(4.0)), f"{engine}: buffer not loaded"
+def _buffers_in_state_dict(engine: str) -> None:
+    model = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4))
+    ENGINES[engine](model, mesh=_layout_mesh("fsdp2"))
+    sd = model.state_dict()
+    assert list(sd) == list(nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4)).state_dict())
+    for key in ("1.running_mean", "1.running_var", "1.num_batches_tracked"):
+        assert not isinstance(sd[key], DTensor), f"buffer {key} is a DTensor"
+    src = {k: v.clone() for k, v in sd.items()}
+    src["1.running_mean"] = torch.arange(4.0)
+    model.load_state_dict(src)
+    assert torch.equal(model[1].running_mean, torch.arange(4.0)), "buffer not loaded"
 
 
-@pytest.mark.parametrize("world_size", [2])
-def test_buffers_plain_in_state_dict(world_size: int) -> None:
-    run_on_ranks(world_size, _buffers_in_state_dict)
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_buffers_plain_in_state_dict(engine: str) -> None:
+    run_on_ranks(2, _buffers_in_state_dict, engine)
 
 
-def _load_sharded(model_name: str, layout: str) -> None:
-    mesh = _mesh(layout)
-    for engine in ENGINES:
-        src = _sharded(engine, model_name, mesh, seed=0)
-        opt = make_optimizer("adamw", src.parameters())
-        _train_step(src, opt, model_name, 0)
-        dst = _sharded(engine, model_name, mesh, seed=1)
-        before = list(dst.parameters())
-        result = dst.load_state_dict(src.state_dict())
-        assert not result.missing_keys and not result.unexpected_keys, result
-        _same_parameters(before, dst, engine)
-        for (name, got), want in zip(
-            full_params(dst).items(), full_params(src).values(), strict=True
-        ):
-            torch.testing.assert_close(
-                got, want, **EXACT, msg=lambda m, n=name, e=engine: f"{e} {n}: {m}"
-            )
-        # Fresh optimizers: both must now follow the same trajectory, bit for bit.
-        opts = [make_optimizer("adamw", m.parameters()) for m in (src, dst)]
-        for step in (1, 2):
-            losses = [
-                _train_step(m, o, model_name, step) for m, o in zip((src, dst), opts, strict=True)
-            ]
-            assert losses[0] == losses[1], f"{engine} step {step}: losses {losses}"
-        for (name, got), want in zip(
-            full_params(dst).items(), full_params(src).values(), strict=True
-        ):
-            torch.testing.assert_close(
-                got, want, **EXACT, msg=lambda m, n=name, e=engine: f"{e} trained {n}: {m}"
-            )
+def _load_sharded(engine: str, model_name: str, layout: str) -> None:
+    mesh = _layout_mesh(layout)
+    src = _sharded(engine, model_name, mesh, seed=0)
+    opt = make_optimizer("adamw", src.parameters())
+    _train_step(src, opt, model_name, 0)
+    dst = _sharded(engine, model_name, mesh, seed=1)
+    before = list(dst.parameters())
+    result = dst.load_state_dict(src.state_dict())
+    assert not result.missing_keys and not result.unexpected_keys, result
+    _same_parameters(before, dst, engine)
+    for (name, got), want in zip(full_params(dst).items(), full_params(src).values(), strict=True):
+        torch.testing.assert_close(got, want, **EXACT, msg=lambda m, n=name: f"{n}: {m}")
+    # Fresh optimizers: both must now follow the same trajectory, bit for bit.
+    opts = [make_optimizer("adamw", m.parameters()) for m in (src, dst)]
+    for step in (1, 2):
+        losses = [
+            _train_step(m, o, model_name, step) for m, o in zip((src, dst), opts, strict=True)
+        ]
+        assert losses[0] == losses[1], f"step {step}: losses {losses}"
+    for (name, got), want in zip(full_params(dst).items(), full_params(src).values(), strict=True):
+        torch.testing.assert_close(got, want, **EXACT, msg=lambda m, n=name: f"trained {n}: {m}")
 
 
 @pytest.mark.parametrize("layout", ["fsdp2", "fsdp4", "hsdp2x2"])
 @pytest.mark.parametrize("model_name", MODEL_NAMES)
-def test_load_sharded_state_dict(model_name: str, layout: str) -> None:
-    run_on_ranks(LAYOUTS[layout][0], _load_sharded, model_name, layout)
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_load_sharded_state_dict(engine: str, model_name: str, layout: str) -> None:
+    run_on_ranks(LAYOUTS[layout][0], _load_sharded, engine, model_name, layout)
 
 
 def _load_full_plain(model_name: str, layout: str, dtype: torch.dtype) -> None:
-    mesh = _mesh(layout)
+    mesh = _layout_mesh(layout)
     ckpt = build(model_name, seed=1)  # an unsharded model, identical on every rank
     plain = {k: v.to(dtype) for k, v in ckpt.state_dict().items()}
     model = _sharded("fsdp2", model_name, mesh, seed=0)
@@ -279,41 +261,41 @@ def test_load_full_plain_state_dict(model_name: str, layout: str, dtype: torch.d
     run_on_ranks(LAYOUTS[layout][0], _load_full_plain, model_name, layout, dtype)
 
 
-def _load_errors(case: str) -> None:
-    mesh = _mesh("fsdp2")
+def _load_errors(engine: str, case: str) -> None:
+    mesh = _layout_mesh("fsdp2")
     key = "layers.0.lin.weight"  # (5, 7) in MLPStack((7, 5, 3, 1))
-    for engine in ENGINES:
-        model = _sharded(engine, "mlp", mesh)
-        sd = model.state_dict()
-        if case == "missing_key":
-            del sd[key]
-            match = rf'Missing key\(s\) in state_dict: "{key}"'
-        elif case == "unexpected_key":
-            sd["layers.0.lin.extra"] = torch.zeros(2)
-            match = r'Unexpected key\(s\) in state_dict: "layers\.0\.lin\.extra"'
-        elif case == "wrong_shape_plain":
-            sd[key] = torch.zeros(3, 7)
-            match = (
-                rf"size mismatch for {key}: copying a param with shape torch.Size\(\[3, 7\]\) "
-                r"from checkpoint, the shape in current model is torch.Size\(\[5, 7\]\)"
-            )
-        else:
-            assert case == "wrong_shape_dtensor", case
-            other = shard_model(MLPStack((7, 6, 3, 1)), ENGINES[engine], mesh)
-            sd[key] = other.state_dict()[key]
-            match = (
-                rf"size mismatch for {key}: copying a param with shape torch.Size\(\[6, 7\]\) "
-                r"from checkpoint, the shape in current model is torch.Size\(\[5, 7\]\)"
-            )
-        with pytest.raises(RuntimeError, match=match):
-            model.load_state_dict(sd, strict=True)
+    model = _sharded(engine, "mlp", mesh)
+    sd = model.state_dict()
+    if case == "missing_key":
+        del sd[key]
+        match = rf'Missing key\(s\) in state_dict: "{key}"'
+    elif case == "unexpected_key":
+        sd["layers.0.lin.extra"] = torch.zeros(2)
+        match = r'Unexpected key\(s\) in state_dict: "layers\.0\.lin\.extra"'
+    elif case == "wrong_shape_plain":
+        sd[key] = torch.zeros(3, 7)
+        match = (
+            rf"size mismatch for {key}: copying a param with shape torch.Size\(\[3, 7\]\) "
+            r"from checkpoint, the shape in current model is torch.Size\(\[5, 7\]\)"
+        )
+    else:
+        assert case == "wrong_shape_dtensor", case
+        other = shard_model(MLPStack((7, 6, 3, 1)), ENGINES[engine], mesh)
+        sd[key] = other.state_dict()[key]
+        match = (
+            rf"size mismatch for {key}: copying a param with shape torch.Size\(\[6, 7\]\) "
+            r"from checkpoint, the shape in current model is torch.Size\(\[5, 7\]\)"
+        )
+    with pytest.raises(RuntimeError, match=match):
+        model.load_state_dict(sd, strict=True)
 
 
 @pytest.mark.parametrize(
     "case", ["missing_key", "unexpected_key", "wrong_shape_plain", "wrong_shape_dtensor"]
 )
-def test_load_state_dict_errors(case: str) -> None:
-    run_on_ranks(2, _load_errors, case)
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_load_state_dict_errors(engine: str, case: str) -> None:
+    run_on_ranks(2, _load_errors, engine, case)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,7 +306,7 @@ def _dcp_save(root: str, model_name: str, layout: str) -> dict[str, Any] | None:
     """Train STEPS_BEFORE steps, save model + optimizer with each engine, then keep training
     STEPS_AFTER steps (the uninterrupted run). Rank 0 returns what was saved and what came
     after, per engine."""
-    mesh = _mesh(layout)
+    mesh = _layout_mesh(layout)
     out = {}
     for engine in ENGINES:
         model = _sharded(engine, model_name, mesh)
@@ -345,7 +327,7 @@ def _dcp_save(root: str, model_name: str, layout: str) -> dict[str, Any] | None:
 def _dcp_load(root: str, model_name: str, layout: str, expected: dict[str, Any]) -> None:
     """Load each engine's checkpoint into each engine at ``layout``; compare with the saving
     run and resume training."""
-    mesh = _mesh(layout)
+    mesh = _layout_mesh(layout)
     for saver in ENGINES:
         want = expected[saver]
         for loader in ENGINES:
@@ -393,108 +375,102 @@ def test_dcp_reshard_on_load(model_name: str, save_layout: str, load_layout: str
 # Full state dicts (StateDictOptions)
 
 
-def _full_state_dict(model_name: str, layout: str) -> None:
-    mesh = _mesh(layout)
+def _full_state_dict(engine: str, model_name: str, layout: str) -> None:
+    mesh = _layout_mesh(layout)
     rank = dist.get_rank()
     ref = build(model_name)
     ref_opt = make_optimizer("adamw", ref.parameters())
-    models = {e: _sharded(e, model_name, mesh) for e in ENGINES}
-    opts = {e: make_optimizer("adamw", m.parameters()) for e, m in models.items()}
+    model = _sharded(engine, model_name, mesh)
+    opt = make_optimizer("adamw", model.parameters())
     for step in range(2):
         x, y = make_batch(model_name, step)
         local_loss(ref, model_name, x, y).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        for engine, model in models.items():
-            _train_step(model, opts[engine], model_name, step)
+        _train_step(model, opt, model_name, step)
     ref_sd = ref.state_dict()
     get_options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     set_options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    for engine, model in models.items():
-        model_sd = get_model_state_dict(model, options=get_options)
-        optim_sd = get_optimizer_state_dict(model, opts[engine], options=get_options)
-        if rank == 0:
-            assert list(model_sd) == list(ref_sd), f"{engine}: keys {list(model_sd)}"
-            for key, value in model_sd.items():
-                assert type(value) is torch.Tensor and value.device.type == "cpu", (
-                    f"{engine}: {key} is a {type(value).__name__} on {value.device}"
-                )
-                torch.testing.assert_close(
-                    value, ref_sd[key], **TOL, msg=lambda m, k=key, e=engine: f"{e} {k}: {m}"
-                )
-            assert optim_sd["state"], f"{engine}: rank 0 got no optimizer state"
-        else:
-            assert model_sd == {}, f"{engine}: rank {rank} got {list(model_sd)} with cpu_offload"
-        fresh = _sharded(engine, model_name, mesh, seed=1)
-        fresh_opt = make_optimizer("adamw", fresh.parameters())
-        before = list(fresh.parameters())
-        # Copies: the state dict can hold the live optimizer's own tensors (e.g. its plain
-        # ``step``), which the two optimizers would then both increment.
-        set_model_state_dict(fresh, copy.deepcopy(model_sd), options=set_options)
-        set_optimizer_state_dict(fresh, fresh_opt, copy.deepcopy(optim_sd), options=set_options)
-        _same_parameters(before, fresh, engine)
-        _compare_snapshots(
-            _snapshot(fresh, fresh_opt),
-            _snapshot(model, opts[engine]),
-            f"{engine} reloaded",
-            **EXACT,
-        )
-        for step in (2, 3):
-            got = _train_step(fresh, fresh_opt, model_name, step)
-            want = _train_step(model, opts[engine], model_name, step)
-            assert got == want, f"{engine} step {step}: reloaded loss {got}, original {want}"
+    model_sd = get_model_state_dict(model, options=get_options)
+    optim_sd = get_optimizer_state_dict(model, opt, options=get_options)
+    if rank == 0:
+        assert list(model_sd) == list(ref_sd), f"keys {list(model_sd)}"
+        for key, value in model_sd.items():
+            assert type(value) is torch.Tensor and value.device.type == "cpu", (
+                f"{key} is a {type(value).__name__} on {value.device}"
+            )
+            torch.testing.assert_close(value, ref_sd[key], **TOL, msg=lambda m, k=key: f"{k}: {m}")
+        assert optim_sd["state"], "rank 0 got no optimizer state"
+    else:
+        assert model_sd == {}, f"rank {rank} got {list(model_sd)} with cpu_offload"
+    fresh = _sharded(engine, model_name, mesh, seed=1)
+    fresh_opt = make_optimizer("adamw", fresh.parameters())
+    before = list(fresh.parameters())
+    # Copies: the state dict can hold the live optimizer's own tensors (e.g. its plain
+    # ``step``), which the two optimizers would then both increment.
+    set_model_state_dict(fresh, copy.deepcopy(model_sd), options=set_options)
+    set_optimizer_state_dict(fresh, fresh_opt, copy.deepcopy(optim_sd), options=set_options)
+    _same_parameters(before, fresh, engine)
+    _compare_snapshots(_snapshot(fresh, fresh_opt), _snapshot(model, opt), "reloaded", **EXACT)
+    for step in (2, 3):
+        got = _train_step(fresh, fresh_opt, model_name, step)
+        want = _train_step(model, opt, model_name, step)
+        assert got == want, f"step {step}: reloaded loss {got}, original {want}"
 
 
 @pytest.mark.parametrize("layout", ["fsdp2", "fsdp4", "hsdp2x2"])
 @pytest.mark.parametrize("model_name", MODEL_NAMES)
-def test_full_state_dict_options(model_name: str, layout: str) -> None:
-    run_on_ranks(LAYOUTS[layout][0], _full_state_dict, model_name, layout)
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_full_state_dict_options(engine: str, model_name: str, layout: str) -> None:
+    run_on_ranks(LAYOUTS[layout][0], _full_state_dict, engine, model_name, layout)
 
 
 # ---------------------------------------------------------------------------------------------
 # load_state_dict(assign=True)
 
 
-def _load_assign(source: str) -> None:
-    mesh = _mesh("fsdp2")
-    # torch's FSDP2 cannot take plain tensors (AttributeError: no _local_tensor). Torch runs
-    # first, so a failure in fsdp2 means torch's engine passed the same checks.
-    engines = ["fsdp2"] if source == "plain" else ["torch", "fsdp2"]
-    for engine in engines:
-        src = _sharded(engine, "mlp", mesh, seed=0)
-        if source == "plain":
-            sd = build("mlp", seed=0).state_dict()
-        else:  # clones: assigned parameters must not share storage with src's
-            sd = {k: v.detach().clone() for k, v in src.state_dict().items()}
-        if source == "meta_sharded":  # the usual way to load a checkpoint without init
-            with torch.device("meta"):
-                dst = build("mlp", seed=1)
-            shard_model(dst, ENGINES[engine], mesh)
-        else:
-            dst = _sharded(engine, "mlp", mesh, seed=1)
-        dst.load_state_dict(sd, assign=True)
-        for name, p in dst.named_parameters():
-            assert isinstance(p, DTensor) and not p.is_meta, f"{engine}: {name} after assign"
-        src_opt = make_optimizer("adamw", src.parameters())
-        dst_opt = make_optimizer("adamw", dst.parameters())
-        for step in range(2):
-            got = _train_step(dst, dst_opt, "mlp", step)
-            want = _train_step(src, src_opt, "mlp", step)
-            assert got == want, f"{engine} step {step}: loss {got} after assign, want {want}"
-            registered = list(dst.parameters())
-            held = dst_opt.param_groups[0]["params"]
-            assert all(p is q for p, q in zip(registered, held, strict=True)), (
-                f"{engine} step {step}: the registered parameters are no longer the assigned "
-                "ones the optimizer holds"
-            )
-        for (name, got), want in zip(
-            full_params(dst).items(), full_params(src).values(), strict=True
-        ):
-            torch.testing.assert_close(
-                got, want, **EXACT, msg=lambda m, n=name, e=engine: f"{e} trained {n}: {m}"
-            )
+def _load_assign(engine: str, source: str) -> None:
+    mesh = _layout_mesh("fsdp2")
+    src = _sharded(engine, "mlp", mesh, seed=0)
+    if source == "plain":
+        sd = build("mlp", seed=0).state_dict()
+    else:  # clones: assigned parameters must not share storage with src's
+        sd = {k: v.detach().clone() for k, v in src.state_dict().items()}
+    if source == "meta_sharded":  # the usual way to load a checkpoint without init
+        with torch.device("meta"):
+            dst = build("mlp", seed=1)
+        shard_model(dst, ENGINES[engine], mesh)
+    else:
+        dst = _sharded(engine, "mlp", mesh, seed=1)
+    dst.load_state_dict(sd, assign=True)
+    for name, p in dst.named_parameters():
+        assert isinstance(p, DTensor) and not p.is_meta, f"{name} after assign"
+    src_opt = make_optimizer("adamw", src.parameters())
+    dst_opt = make_optimizer("adamw", dst.parameters())
+    for step in range(2):
+        got = _train_step(dst, dst_opt, "mlp", step)
+        want = _train_step(src, src_opt, "mlp", step)
+        assert got == want, f"step {step}: loss {got} after assign, want {want}"
+        registered = list(dst.parameters())
+        held = dst_opt.param_groups[0]["params"]
+        assert all(p is q for p, q in zip(registered, held, strict=True)), (
+            f"step {step}: the registered parameters are no longer the assigned ones the "
+            "optimizer holds"
+        )
+    for (name, got), want in zip(full_params(dst).items(), full_params(src).values(), strict=True):
+        torch.testing.assert_close(got, want, **EXACT, msg=lambda m, n=name: f"trained {n}: {m}")
 
 
-@pytest.mark.parametrize("source", ["sharded", "meta_sharded", "plain"])
-def test_load_state_dict_assign(source: str) -> None:
-    run_on_ranks(2, _load_assign, source)
+@pytest.mark.parametrize(
+    "engine, source",
+    [
+        pytest.param("fsdp2", "sharded"),
+        pytest.param("torch", "sharded"),
+        pytest.param("fsdp2", "meta_sharded"),
+        pytest.param("torch", "meta_sharded"),
+        # torch's FSDP2 cannot take plain tensors (AttributeError: no _local_tensor).
+        pytest.param("fsdp2", "plain"),
+    ],
+)
+def test_load_state_dict_assign(engine: str, source: str) -> None:
+    run_on_ranks(2, _load_assign, engine, source)

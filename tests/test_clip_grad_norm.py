@@ -18,7 +18,6 @@ batch (2 AdamW steps, clipping every step at a max norm below the total norm):
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
@@ -26,9 +25,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from _harness import run_on_ranks
+from helpers import ENGINES, check_close, expect_raises, hsdp_mesh, world_mesh
 from models import build, full_grads, full_params, rank_slice, shard_model
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 from tp_models import (
     build_tp_model,
@@ -42,24 +40,16 @@ from tp_models import (
 import fsdp2
 
 WORLD_SIZE = 4
-TOL = {"atol": 1e-5, "rtol": 1e-5}
-ENGINES: dict[str, Callable[..., Any]] = {"fsdp2": fsdp2.fully_shard, "torch": torch_fully_shard}
 MAX_NORM = 0.05  # below every total norm seen here, so clipping scales
-
-
-def _close(got: torch.Tensor | None, want: torch.Tensor | None, what: str) -> None:
-    assert (got is None) == (want is None), f"{what}: got {got}, want {want}"
-    if got is not None:
-        torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{what}: {m}")
 
 
 def _sharded_engines(setup: str) -> tuple[nn.Module, dict[str, nn.Module], int, int, Callable]:
     """The reference, the two sharded models, this rank's data-parallel slice and the loss."""
     if setup in ("fsdp", "hsdp"):
         if setup == "fsdp":
-            dp_mesh = init_device_mesh("cpu", (WORLD_SIZE,))
-        else:  # torch asks HSDP meshes for dim names
-            dp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+            dp_mesh = world_mesh()
+        else:
+            dp_mesh = hsdp_mesh((2, 2))
         ref = build("transformer")
         models = {e: shard_model(build("transformer"), fn, dp_mesh) for e, fn in ENGINES.items()}
         return ref, models, dist.get_rank(), WORLD_SIZE, _transformer_loss
@@ -101,26 +91,26 @@ def _clip(setup: str) -> None:
             loss_fn(model, step, dp_rank, dp_size).backward()
             params = list(model.parameters())
             if mixed_meshes:
-                with pytest.raises(RuntimeError, match="must have the same mesh"):
+                with expect_raises(engine, RuntimeError, match="must have the same mesh"):
                     torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
                 # A plain total norm does not help: one foreach op cannot mix meshes either
                 # (max_norm far above it: even a partial scaling would multiply by 1).
-                with pytest.raises(RuntimeError, match="different meshes"):
+                with expect_raises(engine, RuntimeError, match="different meshes"):
                     torch.nn.utils.clip_grads_with_norm_(params, 1e6, torch.tensor(1.0))
                 norm = fsdp2.clip_grad_norm_(params, MAX_NORM)
             else:
                 norm = torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
                 assert isinstance(norm, DTensor), f"{engine}: total norm is a {type(norm).__name__}"
                 norm = norm.full_tensor()
-            _close(norm, ref_norm, f"{engine} step {step} total norm")
+            check_close(norm, ref_norm, f"{engine} step {step} total norm")
             for name, grad in full_grads(model).items():
-                _close(grad, ref_grads[name], f"{engine} step {step} clipped grad {name}")
+                check_close(grad, ref_grads[name], f"{engine} step {step} clipped grad {name}")
         for opt in (ref_opt, *opts.values()):
             opt.step()
             opt.zero_grad()
         for engine, model in models.items():
             for name, full in full_params(model).items():
-                _close(
+                check_close(
                     full,
                     dict(ref.named_parameters())[name].detach(),
                     f"{engine} step {step} param {name}",

@@ -1,10 +1,8 @@
 """Communication of ``fully_shard`` training: how many collectives, on which group, in what order.
 
-Inside the rank function, ``CommCounter`` wraps ``torch.distributed``'s ``all_gather_single``,
-``all_gather_into_tensor``, ``reduce_scatter_single``, ``reduce_scatter_tensor`` and
-``all_reduce`` (patched on the module for the ``with`` block only, then restored) and records
-each call's kind, group size and input numel. DTensor's ``full_tensor()`` uses functional
-collectives, which bypass these functions; it is never called inside a counted region anyway.
+Inside the rank function, ``comm_counter.CommCounter`` records each collective's kind, group
+size and input numel (``torch.distributed``'s functions patched for the ``with`` block only;
+see ``comm_counter.py``), and markers for when a block computes.
 
 The model is ``MLPStack((7, 5, 3, 1))``: 3 blocks sharded with the case's
 ``reshard_after_forward``, then the root with the default (``None``: the root keeps its
@@ -26,101 +24,22 @@ order of the previous step's forward) and is tested both ways.
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-import math
-from collections import Counter
-from dataclasses import dataclass
-from typing import Any
-from unittest import mock
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from _harness import run_on_ranks
-from models import build, full_grads, local_loss, make_batch, rank_slice, shard_model
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from comm_counter import Call, CommCounter, count_calls, prefetch_order, shard_numel
+from helpers import ENGINES, mine, world_mesh
+from models import build, full_grads, local_loss, make_batch, shard_model
 from torch.distributed.tensor import DTensor
 
-import fsdp2
-
-ENGINES = {"fsdp2": fsdp2.fully_shard, "torch": torch_fully_shard}
-_KINDS = {
-    "all_gather_single": "AG",
-    "all_gather_into_tensor": "AG",
-    "reduce_scatter_single": "RS",
-    "reduce_scatter_tensor": "RS",
-    "all_reduce": "AR",
-}
-_INPUT_ARG = ("input_tensor", "input", "tensor")
 N_BLOCKS = 3
-
-
-@dataclass(frozen=True)
-class Call:
-    """One collective issued inside a counted region."""
-
-    kind: str  # "AG", "RS" or "AR"
-    api: str  # the torch.distributed function called
-    group_size: int
-    numel: int  # of the input
-    phase: str  # the counter's phase when it was issued ("forward", "backward", ...)
-    live_group: bool  # the group is registered in c10d (not destroyed)
-
-
-class CommCounter(contextlib.AbstractContextManager):
-    """Records collectives (see ``Call``) and test markers while the ``with`` block runs.
-
-    ``events`` interleaves ``Call`` objects with marker strings appended by ``mark``.
-    """
-
-    def __init__(self) -> None:
-        self.events: list[Call | str] = []
-        self.phase = "?"
-        self._stack = contextlib.ExitStack()
-
-    def __enter__(self) -> CommCounter:
-        for api in _KINDS:
-            orig = getattr(dist, api, None)
-            if orig is not None:
-                self._stack.enter_context(mock.patch.object(dist, api, self._wrap(api, orig)))
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stack.close()
-
-    def mark(self, marker: str) -> None:
-        self.events.append(marker)
-
-    @property
-    def calls(self) -> list[Call]:
-        return [e for e in self.events if isinstance(e, Call)]
-
-    def take(self) -> list[Call | str]:
-        """Return the events so far and start a fresh list."""
-        events, self.events = self.events, []
-        return events
-
-    def _wrap(self, api: str, orig: Any) -> Any:
-        sig = inspect.signature(orig)
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            bound = sig.bind(*args, **kwargs).arguments
-            group = bound.get("group")
-            tensor = next(bound[k] for k in _INPUT_ARG if k in bound)
-            live = group is None or group in dist.distributed_c10d._world.pg_map
-            size = dist.get_world_size() if group is None else group.size()
-            self.events.append(Call(_KINDS[api], api, size, tensor.numel(), self.phase, live))
-            return orig(*args, **kwargs)
-
-        return counted
 
 
 def _summary(calls: list[Call]) -> dict[tuple[str, str, int], int]:
     """``(phase, kind, group size) -> count``."""
-    return dict(Counter((c.phase, c.kind, c.group_size) for c in calls))
+    return count_calls(calls, "phase", "kind", "group_size")
 
 
 def _expected_step(
@@ -137,24 +56,19 @@ def _expected_step(
 
 
 def _sharded_mlp(engine: str, raf: bool | int, root_params: bool) -> nn.Module:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = build("mlp_head" if root_params else "mlp")
-    return shard_model(model, ENGINES[engine], mesh, root_kwargs={}, reshard_after_forward=raf)
+    return shard_model(
+        model, ENGINES[engine], world_mesh(), root_kwargs={}, reshard_after_forward=raf
+    )
 
 
 def _train_step(model: nn.Module, name: str, step: int, counter: CommCounter) -> None:
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     x, y = make_batch(name, step)
     counter.phase = "forward"
-    loss = local_loss(model, name, rank_slice(x, rank, world_size), rank_slice(y, rank, world_size))
+    loss = local_loss(model, name, mine(x), mine(y))
     counter.phase = "backward"
     loss.backward()
     counter.phase = "?"
-
-
-def _group_numel(params: list[torch.Tensor], world_size: int) -> int:
-    """Per-rank all-gather input numel of a group: each param padded to ceil(dim0 / world) rows."""
-    return sum(-(-p.shape[0] // world_size) * math.prod(p.shape[1:]) for p in params)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,7 +122,7 @@ def test_collectives_per_training_step(
 
 
 def _count_eval_forward(engine: str, raf: bool, root_params: bool, expect_resharded: bool) -> None:
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    world_size = dist.get_world_size()
     name = "mlp_head" if root_params else "mlp"
     model = _sharded_mlp(engine, raf, root_params)
     with CommCounter() as counter:
@@ -217,7 +131,7 @@ def _count_eval_forward(engine: str, raf: bool, root_params: bool, expect_reshar
         x, _ = make_batch(name, 1)
         counter.phase = "eval"
         with torch.no_grad():
-            model(rank_slice(x, rank, world_size))
+            model(mine(x))
         calls = counter.calls
     want = {("eval", "AG", world_size): N_BLOCKS + int(root_params)}
     assert _summary(calls) == want, f"eval forward: got {_summary(calls)}, want {want}"
@@ -246,14 +160,13 @@ def test_eval_forward_gathers_once_and_reshards(engine: str, raf: bool, root_par
 
 def _count_frozen(engine: str, raf: bool, frozen: int) -> None:
     world_size = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world_size,))
     model = build("mlp")
     model.layers[frozen].requires_grad_(False)
-    shard_model(model, ENGINES[engine], mesh, root_kwargs={}, reshard_after_forward=raf)
+    shard_model(model, ENGINES[engine], world_mesh(), root_kwargs={}, reshard_after_forward=raf)
     with CommCounter() as counter:
         for step in range(2):
             _train_step(model, "mlp", step, counter)
-            calls = [e for e in counter.take() if isinstance(e, Call)]
+            calls = counter.take_calls()
             want = _expected_step(world_size, raf, False, frozen=(frozen,))
             got = _summary(calls)
             if frozen == 0 and raf:
@@ -263,7 +176,7 @@ def _count_frozen(engine: str, raf: bool, frozen: int) -> None:
                 assert got.pop(key, 0) in (N_BLOCKS - 1, N_BLOCKS), f"step {step}: {calls}"
                 want.pop(key)
             assert got == want, f"step {step}: got {got}, want {want}"
-    frozen_numel = _group_numel(list(model.layers[frozen].parameters()), world_size)
+    frozen_numel = shard_numel(list(model.layers[frozen].parameters()), world_size)
     rs_numels = [c.numel for c in calls if c.kind == "RS"]
     assert frozen_numel * world_size not in rs_numels, f"frozen group reduced: {rs_numels}"
     grads = full_grads(model)
@@ -299,31 +212,18 @@ def _record_order(engine: str, prefetch: str, root_params: bool) -> tuple[list[s
     groups = {f"B{i}": list(b.parameters()) for i, b in enumerate(layers)}
     if root_params:
         groups["R"] = list(model.head.parameters())
-    by_numel = {_group_numel(ps, world_size): g for g, ps in groups.items()}
+    by_numel = {shard_numel(ps, world_size): g for g, ps in groups.items()}
     assert len(by_numel) == len(groups), f"ambiguous group sizes: {by_numel}"
     with CommCounter() as counter:
         computes = [(f"B{i}", b.lin) for i, b in enumerate(layers)]
         if root_params:
             computes.append(("R", model.head))
-        for tag, mod in computes:
-            mod.register_forward_pre_hook(lambda *_, t=tag: counter.mark(f"C({t})"))
-            mod.register_full_backward_pre_hook(lambda *_, t=tag: counter.mark(f"Cb({t})"))
+        counter.mark_computes(computes)
         _train_step(model, name, 0, counter)
         counter.take()
         _train_step(model, name, 1, counter)  # implicit prefetch knows the order from step 1
         events = counter.take()
-
-    def show(phase: str) -> list[str]:
-        out = []
-        for e in events:
-            if isinstance(e, str):
-                if (phase == "forward") == e.startswith("C("):
-                    out.append(e)
-            elif e.kind == "AG" and e.phase == phase:
-                out.append(f"AG({by_numel[e.numel]})")
-        return out
-
-    return show("forward"), show("backward")
+    return prefetch_order(events, "forward", by_numel), prefetch_order(events, "backward", by_numel)
 
 
 def _order_cases() -> list:

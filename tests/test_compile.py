@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _harness import run_on_ranks
-from torch.distributed.device_mesh import init_device_mesh
+from helpers import check_close_run, check_same_losses, check_same_run, world_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -34,7 +34,7 @@ def _train(engine: str, how: str, backend: str, bf16: bool, reshard: bool) -> di
     torch._dynamo.reset()
     counters.clear()
     rank, ws = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (ws,))
+    mesh = world_mesh()
     model = models.build("transformer")
     if engine == "fsdp2":
         shard, mp = fsdp2.fully_shard, fsdp2.MixedPrecisionPolicy
@@ -78,15 +78,11 @@ def _three_ways(how: str, backend: str, bf16: bool, reshard: bool) -> dict:
 
 def _check(res: dict, exact_vs_eager: bool) -> None:
     ours, theirs, eager = res["fsdp2"], res["torch"], res["eager"]
-    assert ours["losses"] == theirs["losses"]
-    for name, p in ours["params"].items():
-        assert torch.equal(p, theirs["params"][name]), name
+    check_same_run(ours, theirs)
     if exact_vs_eager:
-        assert ours["losses"] == eager["losses"]
-    else:
-        torch.testing.assert_close(ours["losses"], eager["losses"], rtol=1e-4, atol=1e-4)
-    for name, p in ours["params"].items():
-        torch.testing.assert_close(p, eager["params"][name], rtol=1e-3, atol=1e-3)
+        check_same_losses(ours["losses"], eager["losses"], "compiled fsdp2 vs eager")
+    tol, param_tol = {"rtol": 1e-4, "atol": 1e-4}, {"rtol": 1e-3, "atol": 1e-3}
+    check_close_run(ours, eager, "compiled fsdp2 vs eager", tol=tol, param_tol=param_tol)
     # Compiled once, in the first step (forward and backward): no recompilation after it,
     # and no more graphs than torch's FSDP2 needs.
     assert ours["graphs"][0] > 0

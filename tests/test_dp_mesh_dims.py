@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from _harness import run_on_ranks
+from helpers import check_close
 from models import full_params, mean_over_ranks, rank_slice
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import DataParallelMeshDims as TorchDims
@@ -48,7 +49,6 @@ from fsdp2 import DataParallelMeshDims
 WORLD_SIZE = 4
 STEPS = 3
 DIM, HIDDEN = 8, 10
-TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,14 +178,10 @@ def _layout(model: nn.Module) -> dict[str, tuple[Any, str, tuple[int, ...]]]:
     }
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{what}: {m}")
-
-
 _MESH_CACHE: dict[tuple[Any, ...], DeviceMesh] = {}
 
 
-def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+def _cached_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
     # One mesh object per layout and task: torch's fully_shard(dp_mesh_dims=...) wants the
     # parameters' mesh to be the very object passed, and DTensor may hand back an equal mesh
     # cached from an earlier one (fsdp2 compares meshes with ==).
@@ -197,7 +193,7 @@ def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
 
 def _run_config(name: str) -> dict[str, Any]:
     shape, names, tp_name, shard, rep, two_d = CONFIGS[name]
-    mesh = _mesh(shape, names)
+    mesh = _cached_mesh(shape, names)
     ref = _build()
     models: dict[str, nn.Module] = {}
     kw: dict[str, Any] = {"reshard_after_forward": 2} if name == "flat_shard" else {}
@@ -265,7 +261,7 @@ def _run_config(name: str) -> dict[str, Any]:
             loss = _loss(model, xs, ys)
             loss.backward()
             avg = mean_over_ranks(loss)
-            _close(avg, ref_loss.detach(), f"{name} {engine} step {step} loss")
+            check_close(avg, ref_loss.detach(), f"{name} {engine} step {step} loss")
             losses[engine].append(avg.item())
         for pname, p in models["fsdp2"].named_parameters():
             assert p.grad.device_mesh == p.device_mesh, f"{name} {pname}: grad mesh"
@@ -274,13 +270,13 @@ def _run_config(name: str) -> dict[str, Any]:
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         for engine, model in models.items():
             norm = fsdp2.clip_grad_norm_(model.parameters(), 1.0)
-            _close(norm, ref_norm, f"{name} {engine} step {step} grad norm")
+            check_close(norm, ref_norm, f"{name} {engine} step {step} grad norm")
         for opt in (ref_opt, *opts.values()):
             opt.step()
             opt.zero_grad()
         for engine, model in models.items():
             for pname, full in full_params(model).items():
-                _close(full, ref_named[pname].detach(), f"{name} {engine} step {step} {pname}")
+                check_close(full, ref_named[pname].detach(), f"{name} {engine} step {step} {pname}")
     hook.remove()
     want = tuple(
         Replicate() if n != tp_name else _tp_placement("layers.0.w1.weight") for n in names

@@ -31,13 +31,14 @@ global batch (fp32 throughout; with bf16 compute only the losses, within 5e-3). 
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from _harness import run_on_ranks
-from torch.distributed.device_mesh import init_device_mesh
+from helpers import check_close_run, check_same_run, mine, world_mesh
+from models import full_params, mean_over_ranks
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp import register_fsdp_forward_method as torch_register_method
@@ -111,17 +112,6 @@ def _tokens(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
 
 
-def _rank_slice(t: torch.Tensor) -> torch.Tensor:
-    n = t.size(0) // dist.get_world_size()
-    return t[dist.get_rank() * n : (dist.get_rank() + 1) * n]
-
-
-def _mean(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().clone()
-    dist.all_reduce(t)
-    return t / dist.get_world_size()
-
-
 def _train(model: nn.Module, steps: int, *, sharded: bool) -> list[torch.Tensor]:
     """``steps`` AdamW steps of the model's own causal-LM loss (``labels=input_ids``) over the
     trainable parameters; a sharded model sees this rank's slice of each global batch, the
@@ -131,49 +121,42 @@ def _train(model: nn.Module, steps: int, *, sharded: bool) -> list[torch.Tensor]
     for step in range(steps):
         ids = _tokens(step)
         if sharded:
-            ids = _rank_slice(ids)
+            ids = mine(ids)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        losses.append(_mean(loss) if sharded else loss.detach())
+        losses.append(mean_over_ranks(loss) if sharded else loss.detach())
         opt.step()
         opt.zero_grad()
     return losses
 
 
-def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-        for n, p in model.named_parameters()
-    }
+def _run(model: nn.Module, steps: int, *, sharded: bool) -> dict[str, Any]:
+    """``_train``, then the full parameters: ``{"losses": ..., "params": ...}``."""
+    return {"losses": _train(model, steps, sharded=sharded), "params": full_params(model)}
 
 
 def _compare(
-    results: dict[str, tuple[list[torch.Tensor], dict[str, torch.Tensor]]],
-    reference: tuple[list[torch.Tensor], dict[str, torch.Tensor]] | None = None,
+    results: dict[str, dict[str, Any]],
+    reference: dict[str, Any] | None = None,
     *,
     tol: float = 1e-5,
     param_tol: float | None = 1e-3,
 ) -> None:
-    """Both engines' ``(losses, full params)`` agree bitwise, and with ``reference`` (trained
-    unsharded on the global batch) within ``tol`` (losses) and ``param_tol`` (parameters, unless
-    None: AdamW's normalized step turns rounding-level gradient differences into parameter
-    ones of up to ~1e-4 where a gradient is near zero)."""
-    (ours, our_params), (theirs, their_params) = results["fsdp2"], results["torch"]
-    assert len(ours) == len(theirs)
-    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-        assert torch.equal(a, b), f"step {step}: loss {a.item()} (fsdp2) != {b.item()} (torch)"
-    assert our_params.keys() == their_params.keys()
-    for name, t in their_params.items():
-        assert torch.equal(our_params[name], t), f"parameter {name} differs from torch's"
+    """Both engines' runs (losses, full params) agree bitwise, and with ``reference`` (trained
+    unsharded on the global batch) within ``tol`` (losses) and ``param_tol`` (parameters, max
+    abs, unless None: AdamW's normalized step turns rounding-level gradient differences into
+    parameter ones of up to ~1e-4 where a gradient is near zero)."""
+    check_same_run(results["fsdp2"], results["torch"])
     if reference is not None:
-        ref_losses, ref_params = reference
-        torch.testing.assert_close(torch.stack(ours), torch.stack(ref_losses), atol=tol, rtol=tol)
-        assert our_params.keys() == ref_params.keys()
-        if param_tol is None:
-            return
-        for name, t in ref_params.items():
-            diff = (our_params[name] - t).abs().max().item()
-            assert diff <= param_tol, f"parameter {name} is {diff:g} from the reference's"
+        ours = results["fsdp2"]
+        assert ours["params"].keys() == reference["params"].keys(), "parameter names differ"
+        check_close_run(
+            ours,
+            reference,
+            "fsdp2 vs reference",
+            tol={"atol": tol, "rtol": tol},
+            param_tol=None if param_tol is None else {"atol": param_tol, "rtol": 0.0},
+        )
 
 
 def _record_weight_dtypes(modules: dict[str, nn.Module]) -> dict[str, list[torch.dtype]]:
@@ -197,28 +180,30 @@ def _shard_lora_llama(model: nn.Module, engine: str, mesh, bf16: bool, root: str
 
 
 def _lora_llama_case(bf16: bool) -> None:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = world_mesh()
     results = {}
     for engine in ENGINES:
         torch.manual_seed(0)
         model = _lora_llama()
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-        assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable), trainable
+        assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable), (
+            engine,
+            trainable,
+        )
         _shard_lora_llama(model, engine, mesh, bf16, root="peft")
         attn = model.base_model.model.model.layers[0].self_attn
         dtypes = _record_weight_dtypes(
             {"base": attn.q_proj.base_layer, "lora_A": attn.q_proj.lora_A["default"]}
         )
-        before = _full_params(model)
-        results[engine] = _train(model, STEPS, sharded=True), _full_params(model)
+        before = full_params(model)
+        results[engine] = _run(model, STEPS, sharded=True)
         want = torch.bfloat16 if bf16 else torch.float32
         assert dtypes == {k: [want] * STEPS for k in dtypes}, (engine, dtypes)
-        for name, t in results[engine][1].items():  # only the adapters moved
+        for name, t in results[engine]["params"].items():  # only the adapters moved
             assert torch.equal(t, before[name]) != (name in trainable), (engine, name)
             assert t.dtype == torch.float32, (engine, name)
     torch.manual_seed(0)
-    model = _lora_llama()
-    reference = _train(model, STEPS, sharded=False), _full_params(model)
+    reference = _run(_lora_llama(), STEPS, sharded=False)
     # The reference computes in fp32: with bf16 compute, only the losses are compared, loosely.
     _compare(results, reference, tol=5e-3 if bf16 else 1e-5, param_tol=None if bf16 else 1e-3)
 
@@ -246,7 +231,7 @@ def _generate(model: nn.Module) -> torch.Tensor:
 
 
 def _lora_llama_generate_case(root: str) -> list[torch.Tensor]:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = world_mesh()
     tokens = {}
     for engine in ENGINES:
         torch.manual_seed(0)
@@ -284,7 +269,7 @@ def _meta_llama_case() -> None:
     from transformers import LlamaForCausalLM
 
     _quiet()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = world_mesh()
     torch.manual_seed(1)
     eager = LlamaForCausalLM(_llama_config())
     eager_buffers = {n: b.clone() for n, b in eager.named_buffers()}
@@ -293,7 +278,7 @@ def _meta_llama_case() -> None:
     def build(engine: str) -> nn.Module:
         with torch.device("meta"):
             model = LlamaForCausalLM(_llama_config())
-        assert all(p.is_meta for p in model.parameters())
+        assert all(p.is_meta for p in model.parameters()), engine
         fs = _fully_shard(engine)
         for layer in model.model.layers:
             fs(layer, mesh=mesh)
@@ -313,18 +298,18 @@ def _meta_llama_case() -> None:
     inits, results = {}, {}
     for engine in ENGINES:
         model = build(engine)
-        inits[engine] = _full_params(model)
+        inits[engine] = full_params(model)
         for name, t in inits[engine].items():
             if name.endswith("norm.weight"):
                 assert torch.equal(t, torch.ones_like(t)), (engine, name)
             else:  # normal(0, initializer_range=0.02)
                 assert 0.01 < t.std().item() < 0.03, (engine, name, t.std().item())
-        results[engine] = _train(model, STEPS, sharded=True), _full_params(model)
+        results[engine] = _run(model, STEPS, sharded=True)
     for name, t in inits["torch"].items():
         assert torch.equal(inits["fsdp2"][name], t), f"initialised {name} differs from torch's"
     # The reference starts from the initialised full parameters.
     eager.load_state_dict(inits["fsdp2"])
-    _compare(results, (_train(eager, STEPS, sharded=False), _full_params(eager)))
+    _compare(results, _run(eager, STEPS, sharded=False))
 
 
 def test_meta_init_llama_parity() -> None:
@@ -353,7 +338,7 @@ def _gpt2() -> nn.Module:
 
 
 def _gpt2_tied_case(bf16: bool) -> None:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = world_mesh()
 
     def tied(model: nn.Module) -> bool:
         return model.lm_head.weight is model.transformer.wte.weight
@@ -362,14 +347,14 @@ def _gpt2_tied_case(bf16: bool) -> None:
     for engine in ENGINES:
         torch.manual_seed(0)
         model = _gpt2()
-        assert tied(model)
+        assert tied(model), f"{engine}: GPT2LMHeadModel built untied"
         fs, mp = _fully_shard(engine), _mp(engine, bf16)
         for block in model.transformer.h:
             fs(block, mesh=mesh, mp_policy=mp)
         fs(model, mesh=mesh, mp_policy=mp)
         assert tied(model), f"{engine}: fully_shard untied lm_head.weight and wte.weight"
-        assert isinstance(model.transformer.wte.weight, DTensor)
-        assert "lm_head.weight" not in dict(model.named_parameters())
+        assert isinstance(model.transformer.wte.weight, DTensor), engine
+        assert "lm_head.weight" not in dict(model.named_parameters()), engine
         dtypes = _record_weight_dtypes(
             {"c_attn": model.transformer.h[0].attn.c_attn, "lm_head": model.lm_head}
         )
@@ -379,14 +364,13 @@ def _gpt2_tied_case(bf16: bool) -> None:
                 m.weight is wte.weight and not isinstance(m.weight, DTensor)
             )
         )
-        results[engine] = _train(model, STEPS, sharded=True), _full_params(model)
+        results[engine] = _run(model, STEPS, sharded=True)
         want = torch.bfloat16 if bf16 else torch.float32
         assert dtypes == {k: [want] * STEPS for k in dtypes}, (engine, dtypes)
         assert tied_in_forward == [True] * STEPS, (engine, tied_in_forward)
         assert tied(model), f"{engine}: training untied lm_head.weight and wte.weight"
     torch.manual_seed(0)
-    model = _gpt2()
-    reference = _train(model, STEPS, sharded=False), _full_params(model)
+    reference = _run(_gpt2(), STEPS, sharded=False)
     _compare(results, reference, tol=5e-3 if bf16 else 1e-5, param_tol=None if bf16 else 1e-3)
 
 

@@ -40,16 +40,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from _harness import run_on_ranks
-from models import (
-    TinyTransformer,
-    full_grads,
-    full_params,
-    mean_over_ranks,
-    rank_slice,
-    shard_model,
-)
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from helpers import ENGINES, TOL, check_close, hsdp_mesh, train_and_compare, world_mesh
+from models import TinyTransformer, full_params, shard_model
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -60,9 +53,7 @@ from fsdp2.models.llama import rotary_tables
 
 WORLD_SIZES = [2, 4]
 STEPS = 3
-TOL = {"atol": 1e-5, "rtol": 1e-5}
 PARAM_TOL = {"atol": 5e-5, "rtol": 1e-5}
-ENGINES: dict[str, Callable[..., Any]] = {"fsdp2": fsdp2.fully_shard, "torch": torch_fully_shard}
 VOCAB, SEQ, GLOBAL_BATCH = 37, 8, 8
 
 
@@ -100,14 +91,6 @@ def _reinit(model: nn.Module) -> None:
     for m in model.modules():
         if hasattr(m, "reset_parameters"):
             m.reset_parameters()
-
-
-def _mesh(kind: str = "fsdp") -> DeviceMesh:
-    """``fsdp``: 1D over every rank; ``hsdp``: (replicate 2, shard world / 2)."""
-    ws = dist.get_world_size()
-    if kind == "fsdp":
-        return init_device_mesh("cpu", (ws,))
-    return init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
 
 
 def _shard_rows(dim0: int, world_size: int, rank: int) -> int:
@@ -165,12 +148,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _close(got: torch.Tensor | None, want: torch.Tensor | None, what: str, **tol: float) -> None:
-    assert (got is None) == (want is None), f"{what}: got {got}, want {want}"
-    if got is not None:
-        torch.testing.assert_close(got, want, **(tol or TOL), msg=lambda m: f"{what}: {m}")
-
-
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
@@ -182,62 +159,29 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
 
 
-def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+def _adamw(params: Any) -> torch.optim.Optimizer:
     # Adam's first step moves each weight by about lr * sign(grad): with Llama's small init
     # some gradients are ~1e-8, where fp32 summation-order noise flips the update. An eps
     # above that noise keeps the comparison about sharding, not rounding.
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-6)
 
 
-def _train_and_compare(
-    ref: nn.Module, models: dict[str, nn.Module], steps: int = STEPS, **tol: float
-) -> None:
-    """Train ``ref`` on the global batch and each sharded model on its rank's slice with
-    AdamW; every step compare loss, full grads and full params with ``ref``, and (with both
-    engines) fsdp2's with torch's bitwise, as ``test_parity.py`` does."""
-    rank, ws = dist.get_rank(), dist.get_world_size()
-    ref_opt = _adamw(ref)
-    opts = {e: _adamw(m) for e, m in models.items()}
-    for step in range(steps):
-        x, y = _batch(step)
-        ref_loss = _loss(ref, x, y)
-        ref_loss.backward()
-        ref_named = dict(ref.named_parameters())
-        want = {"loss": ref_loss.detach()}
-        want.update({f"grad {n}": p.grad for n, p in ref_named.items()})  # zero_grad sets None
-        seen: dict[str, dict[str, torch.Tensor | None]] = {}
-        for engine, model in models.items():
-            loss = _loss(model, rank_slice(x, rank, ws), rank_slice(y, rank, ws))
-            loss.backward()
-            grads = full_grads(model)
-            assert grads.keys() == ref_named.keys(), f"{engine}: parameter names differ"
-            seen[engine] = {"loss": mean_over_ranks(loss)}
-            seen[engine].update({f"grad {n}": g for n, g in grads.items()})
-        for opt in (ref_opt, *opts.values()):
-            opt.step()
-            opt.zero_grad()
-        for engine, model in models.items():
-            seen[engine].update({f"param {n}": p for n, p in full_params(model).items()})
-        if len(seen) == 2:
-            _check_bitwise(seen["fsdp2"], seen["torch"], step)
-        want.update({f"param {n}": p.detach() for n, p in ref_named.items()})
-        for engine, values in seen.items():
-            for key, value in values.items():
-                # Adam divides by sqrt(v): where a gradient is tiny, fp32 reduction-order noise
-                # (both engines agree bitwise) moves the update; parameters get more slack.
-                key_tol = tol or (PARAM_TOL if key.startswith("param") else TOL)
-                _close(value, want[key], f"{engine} step {step} {key}", **key_tol)
-
-
-def _check_bitwise(ours: dict, theirs: dict, step: int) -> None:
-    for key, want in theirs.items():
-        got = ours[key]
-        assert (got is None) == (want is None), f"step {step} {key}: fsdp2 {got}, torch {want}"
-        if got is not None:
-            assert torch.equal(got, want), (
-                f"step {step} {key}: fsdp2 differs from torch's fully_shard bitwise "
-                f"(max abs diff {(got - want).abs().max().item():.3g})"
-            )
+def _train_and_compare(ref: nn.Module, models: dict[str, nn.Module], **tol: float) -> None:
+    """``helpers.train_and_compare`` with AdamW for STEPS steps: loss, full grads and full
+    params against ``ref`` every step, and (with both engines) fsdp2's against torch's
+    bitwise, as ``test_parity.py`` does. ``tol`` replaces every tolerance; by default Adam
+    divides by sqrt(v): where a gradient is tiny, fp32 reduction-order noise (both engines
+    agree bitwise) moves the update, so parameters get more slack (``PARAM_TOL``)."""
+    train_and_compare(
+        ref,
+        models,
+        batch=_batch,
+        loss=_loss,
+        steps=STEPS,
+        optimizer=_adamw,
+        tol=tol or TOL,
+        param_tol=tol or PARAM_TOL,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,7 +241,9 @@ def _check_init_values(engine: str, full: dict[str, torch.Tensor], model_name: s
 
 
 def _meta_init_parity(model_name: str, mesh_kind: str) -> None:
-    mesh = _mesh(mesh_kind)
+    """``mesh_kind``: ``fsdp`` (1D over every rank) or ``hsdp`` (replicate 2, shard world / 2)."""
+    ws = dist.get_world_size()
+    mesh = world_mesh() if mesh_kind == "fsdp" else hsdp_mesh((2, ws // 2))
     models: dict[str, nn.Module] = {}
     inits: dict[str, dict[str, torch.Tensor]] = {}
     for engine in ENGINES:
@@ -322,7 +268,7 @@ def _meta_init_parity(model_name: str, mesh_kind: str) -> None:
         if isinstance(model, Llama):
             cfg = model.cfg
             want = rotary_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
-            torch.testing.assert_close(model.rope, want, rtol=0, atol=0)
+            check_close(model.rope, want, f"{engine}: rope", rtol=0, atol=0)
         models[engine] = model
     for name, want in inits["torch"].items():
         assert torch.equal(inits["fsdp2"][name], want), (
@@ -354,7 +300,7 @@ def test_meta_init_to_empty_reinit_and_train(
 
 
 def _meta_then_load_full(model_name: str) -> None:
-    mesh = _mesh()
+    mesh = world_mesh()
     model = _meta_sharded("fsdp2", model_name, mesh)
     params = list(model.parameters())
     model.to_empty(device="cpu")
@@ -371,7 +317,7 @@ def _meta_then_load_full(model_name: str) -> None:
             cfg = model.cfg
             model.rope.copy_(rotary_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta))
     for name, full in full_params(model).items():
-        _close(full, ref.get_parameter(name).detach(), f"loaded {name}", rtol=0, atol=0)
+        check_close(full, ref.get_parameter(name).detach(), f"loaded {name}", rtol=0, atol=0)
     _train_and_compare(ref, {"fsdp2": model})
 
 
@@ -396,7 +342,7 @@ def _dtype_conversion(how: str) -> None:
     torch.manual_seed(0)
     ref = TinyTransformer(vocab=VOCAB)
     torch.manual_seed(0)
-    model = shard_model(TinyTransformer(vocab=VOCAB), fsdp2.fully_shard, _mesh())
+    model = shard_model(TinyTransformer(vocab=VOCAB), fsdp2.fully_shard, world_mesh())
     before = _layout(model)
     if how == "to_float64":
         model.to(torch.float64)
@@ -409,7 +355,7 @@ def _dtype_conversion(how: str) -> None:
         assert p.to_local().dtype == torch.float64, f"{name}: local {p.to_local().dtype}"
     assert model.head.weight is model.tok_emb.weight, "the conversion untied the weights"
     for name, full in full_params(model).items():
-        _close(full, ref.get_parameter(name).detach(), f"converted {name}", rtol=0, atol=0)
+        check_close(full, ref.get_parameter(name).detach(), f"converted {name}", rtol=0, atol=0)
     # Steps after the first read what the optimizer wrote into the converted shards.
     _train_and_compare(ref, {"fsdp2": model}, atol=1e-10, rtol=1e-10)
     for name, p in model.named_parameters():
@@ -428,7 +374,7 @@ def _same_device_noop() -> None:
     models = {}
     for engine, fn in ENGINES.items():
         torch.manual_seed(0)
-        model = shard_model(TinyTransformer(vocab=VOCAB), fn, _mesh())
+        model = shard_model(TinyTransformer(vocab=VOCAB), fn, world_mesh())
         before = _layout(model)
         ptrs = [p.to_local().data_ptr() for p in model.parameters()]
         assert model.to("cpu") is model

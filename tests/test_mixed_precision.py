@@ -43,8 +43,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from _harness import run_on_ranks
+from helpers import check_same, world_mesh
 from models import MLPBlock, build, full_grads, full_params, make_batch, mean_over_ranks, rank_slice
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
@@ -272,25 +272,12 @@ def _check_reference(got: torch.Tensor, want: torch.Tensor, atol: Any, what: str
     return diff.max().item()
 
 
-def _check_bitwise(seen: dict[str, dict[str, torch.Tensor]], step: int) -> None:
-    # Same casts, same padding, same divide plan (AVG, or pre/post division for fp16), same
-    # optimizer: the two engines compute the same floats on CPU. Report where they first
-    # differ (loss, grad or param) and by how much.
-    for key, want in seen["torch"].items():
-        got = seen["fsdp2"][key]
-        assert got.dtype == want.dtype, f"step {step} {key}: fsdp2 {got.dtype}, torch {want.dtype}"
-        assert torch.equal(got, want), (
-            f"step {step} {key}: fsdp2 differs from torch's fully_shard under the same policy "
-            f"(max abs diff {(got.float() - want.float()).abs().max().item():.3g})"
-        )
-
-
 def _train_and_compare(model_name: str, layout: Layout, microbatches: int = 1) -> dict:
     """Train reference, fsdp2 and torch for STEPS steps (each of ``microbatches`` microbatches,
     all but the last without gradient sync) and compare every step; return the largest
     differences from the reference (diagnostics)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = world_mesh()
     ref = _Reference(model_name, layout, world_size)
     models = {e: _shard(build(model_name), layout, e, mesh) for e in ENGINES}
     opts = {
@@ -336,7 +323,9 @@ def _train_and_compare(model_name: str, layout: Layout, microbatches: int = 1) -
                 d = _check_reference(full, ref_params[name], _PARAM_ATOL, what)
                 worst["param"] = max(worst["param"], d)
                 seen[engine][f"param {name}"] = full
-        _check_bitwise(seen, step)
+        # Same casts, same padding, same divide plan (AVG, or pre/post division for fp16),
+        # same optimizer: the two engines compute the same floats on CPU.
+        check_same(seen["fsdp2"], seen["torch"], f"step {step} fsdp2 vs torch", bitwise=True)
     return worst
 
 
@@ -380,7 +369,7 @@ def test_gradient_accumulation_in_reduce_dtype(world_size: int, model_name: str)
 
 def _dtypes_inside_and_outside_forward() -> None:
     world_size = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = world_mesh()
     model = build("mlp_head")
     _shard(model, _uniform("mlp_head", POLICIES["bf16-reduce32"]), "fsdp2", mesh)
     seen: list[tuple[torch.dtype, bool]] = []
@@ -417,8 +406,7 @@ def test_forward_sees_low_precision_weights(world_size: int) -> None:
 def _record_casts(engine: str, cast_forward_inputs: bool) -> dict[str, Any]:
     """dtypes seen at module boundaries of ``_CastStack`` (bf16 policy; block 0 outputs fp32,
     block 1 casts its inputs or not) and of ``_TwoOutputs`` as a root with ``output_dtype``."""
-    world_size = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = world_mesh()
     fully_shard_fn, policy_cls = ENGINES[engine]
     seen: dict[str, Any] = {}
     model = _CastStack()
@@ -487,7 +475,7 @@ def _same_as_none(model_name: str) -> dict:
     """fsdp2 with (bf16, reduce bf16), fsdp2 with (bf16, None) and torch with (bf16, reduce
     bf16), with one no-sync microbatch per step: bitwise equal; reduce-scatters in bf16."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = world_mesh()
     both = {"param_dtype": BF16, "reduce_dtype": BF16}
     runs = {
         "fsdp2 reduce=bf16": ("fsdp2", both),
@@ -564,7 +552,7 @@ def _comm_bytes(model_name: str) -> dict[str, dict[str, int]]:
     """Bytes (and calls) into all-gather and reduce-scatter for one training step under
     fp32, bf16-compute/fp32-reduce and bf16 policies."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = world_mesh()
     x, y = make_batch(model_name, 0)
     xs, ys = rank_slice(x, rank, world_size), rank_slice(y, rank, world_size)
     result = {}

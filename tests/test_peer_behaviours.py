@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from _harness import run_on_ranks
-from torch.distributed.device_mesh import init_device_mesh
+from helpers import check_close_run, check_same_run, world_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -35,10 +35,6 @@ ENGINES = {
     "torch": (torch_fully_shard, TorchMP),
 }
 STEPS = 3
-
-
-def _mesh():
-    return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
 def _steps(model: nn.Module, name: str, run=None, params=None) -> list[float]:
@@ -89,7 +85,7 @@ def _replaced(engine: str) -> dict:
     source = models.TinyTransformer(tied=False)
     with torch.device("meta"):
         model = models.TinyTransformer(tied=False)
-    models.shard_model(model, shard, _mesh())
+    models.shard_model(model, shard, world_mesh())
     model.to_empty(device="cpu")
     _copy_from(model, source)
     # The meta-init pattern: a parameter computed from other (sharded) parameters.
@@ -113,20 +109,17 @@ def _replaced_both() -> dict:
 
 def test_param_replaced_before_first_forward() -> None:
     res = run_on_ranks(2, _replaced_both)[0]
-    ours, theirs = res["fsdp2"], res["torch"]
-    torch.testing.assert_close(ours["losses"], ours["ref"], rtol=1e-5, atol=1e-5)
-    assert ours["losses"] == theirs["losses"]
-    for n, p in ours["params"].items():
-        assert torch.equal(p, theirs["params"][n]), n
+    check_close_run(res["fsdp2"], {"losses": res["fsdp2"]["ref"]}, "fsdp2 vs reference")
+    check_same_run(res["fsdp2"], res["torch"])
 
 
 def _replaced_badly(how: str) -> str:
     model = models.build("transformer")
-    models.shard_model(model, fsdp2.fully_shard, _mesh())
+    models.shard_model(model, fsdp2.fully_shard, world_mesh())
     if how == "plain":
         model.norm.weight = nn.Parameter(torch.ones(24))
     else:  # a DTensor replicated instead of sharded
-        model.norm.weight = nn.Parameter(distribute_tensor(torch.ones(24), _mesh()))
+        model.norm.weight = nn.Parameter(distribute_tensor(torch.ones(24), world_mesh()))
     try:
         _steps(model, "transformer")
     except ValueError as e:
@@ -146,7 +139,7 @@ def test_param_replaced_by_other_layout_raises(how: str) -> None:
 
 def _assign_into_meta(engine: str) -> dict:
     shard, _ = ENGINES[engine]
-    mesh = _mesh()
+    mesh = world_mesh()
     torch.manual_seed(0)
     src = models.TinyTransformer(tied=False)
     ref = models.TinyTransformer(tied=False)
@@ -175,11 +168,8 @@ def _assign_both() -> dict:
 
 def test_load_state_dict_assign_into_meta_sharded_model() -> None:
     res = run_on_ranks(2, _assign_both)[0]
-    ours, theirs = res["fsdp2"], res["torch"]
-    assert ours["losses"] == theirs["losses"]
-    torch.testing.assert_close(ours["losses"], ours["ref"], rtol=1e-5, atol=1e-5)
-    for n, p in ours["params"].items():
-        assert torch.equal(p, theirs["params"][n]), n
+    check_same_run(res["fsdp2"], res["torch"])
+    check_close_run(res["fsdp2"], {"losses": res["fsdp2"]["ref"]}, "fsdp2 vs reference")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,10 +202,10 @@ def _ac_output_dtype(engine: str) -> dict:
     seen: list[torch.dtype] = []
     shard(
         model.block,
-        mesh=_mesh(),
+        mesh=world_mesh(),
         mp_policy=mp(param_dtype=torch.bfloat16, output_dtype=torch.float32),
     )
-    shard(model, mesh=_mesh())
+    shard(model, mesh=world_mesh())
     model.head.register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype))
     losses = _steps(model, "mlp")
     return {"losses": losses, "params": models.full_params(model), "seen": seen}
@@ -230,10 +220,8 @@ def test_activation_checkpoint_recompute_applies_output_dtype() -> None:
     ours, theirs = res["fsdp2"], res["torch"]
     # forward and recompute of each step both see fp32 (output_dtype)
     assert ours["seen"] == [torch.float32] * (2 * STEPS), ours["seen"]
-    assert ours["seen"] == theirs["seen"]
-    assert ours["losses"] == theirs["losses"]
-    for n, p in ours["params"].items():
-        assert torch.equal(p, theirs["params"][n]), n
+    assert ours["seen"] == theirs["seen"], f"fsdp2 {ours['seen']}, torch {theirs['seen']}"
+    check_same_run(ours, theirs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,7 +250,7 @@ def _frozen_other_dtype(engine: str, frozen_dtype: torch.dtype, bf16: bool) -> d
     torch.manual_seed(0)
     model = _Frozen(frozen_dtype)
     kw = {"mp_policy": mp(param_dtype=torch.bfloat16)} if bf16 else {}
-    shard(model, mesh=_mesh(), **kw)
+    shard(model, mesh=world_mesh(), **kw)
     before = _local_bytes(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     losses = _steps(model, "mlp", params=trainable)
@@ -291,16 +279,13 @@ def _frozen_both(frozen_dtype: torch.dtype, bf16: bool) -> dict:
     "frozen_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16w", "f8w"]
 )
 def test_frozen_params_of_other_dtypes(frozen_dtype: torch.dtype, bf16: bool) -> None:
-    for res in run_on_ranks(2, _frozen_both, frozen_dtype, bf16):
-        ours, theirs = res["fsdp2"], res["torch"]
-        assert ours["losses"] == theirs["losses"]
-        for n, p in ours["params"].items():
-            assert torch.equal(p, theirs["params"][n]), n
+    for rank, res in enumerate(run_on_ranks(2, _frozen_both, frozen_dtype, bf16)):
+        check_same_run(res["fsdp2"], res["torch"], f"rank {rank} fsdp2 vs torch")
     if not bf16:  # the unsharded reference (mixed precision is covered by torch's numbers)
         torch.manual_seed(0)
         ref = _Frozen(frozen_dtype)
         want = _reference_frozen(ref)
-        torch.testing.assert_close(ours["losses"], want, rtol=1e-5, atol=1e-5)
+        check_close_run(res["fsdp2"], {"losses": want}, "fsdp2 vs reference")
 
 
 def _reference_frozen(model: nn.Module) -> list[float]:

@@ -13,15 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from _harness import run_on_ranks
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-import fsdp2
-
-ENGINES = {"fsdp2": fsdp2.fully_shard, "torch": torch_fully_shard}
+from helpers import ENGINES, world_mesh
 
 
 class _Net(nn.Module):
@@ -36,7 +30,7 @@ class _Net(nn.Module):
 
 
 def _channels_last(engine: str) -> str:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = world_mesh()
     conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
     assert not conv.weight.is_contiguous()
     try:
@@ -53,7 +47,7 @@ def test_non_contiguous_parameter_raises_not_implemented() -> None:
 
 
 def _meta_forward(engine: str) -> str:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = world_mesh()
     with torch.device("meta"):
         model = _Net()
     for layer in model.layers:
@@ -85,7 +79,7 @@ def test_forward_with_meta_parameters_raises_runtime_error(engine: str) -> None:
 
 
 def _bad_reshard(engine: str, value: object) -> str:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = world_mesh()
     try:
         ENGINES[engine](nn.Linear(2, 2), mesh=mesh, reshard_after_forward=value)
     except Exception as e:  # noqa: BLE001 - the type is what is checked
@@ -94,6 +88,8 @@ def _bad_reshard(engine: str, value: object) -> str:
 
 
 @pytest.mark.parametrize("value", [1.5, "yes"], ids=["float", "str"])
-def test_bad_reshard_after_forward_raises_value_error_like_torch(value: object) -> None:
-    for engine in ENGINES:
-        assert run_on_ranks(2, _bad_reshard, engine, value) == ["ValueError"] * 2, engine
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_bad_reshard_after_forward_raises_value_error_like_torch(
+    engine: str, value: object
+) -> None:
+    assert run_on_ranks(2, _bad_reshard, engine, value) == ["ValueError"] * 2

@@ -3,14 +3,17 @@
 Structure: the class swap, slicing a sharded ``nn.Sequential``, the default mesh, buffers.
 Invariants: unsharded parameters keep their identity across steps; outside forward and
 backward every registered parameter is the sharded DTensor the optimizer holds.
-Numbers: each rank trains a sharded model on its slice of a global batch and, in the same
-process, a plain replica (same seed) on the whole batch; per step the rank-averaged loss,
-the full gradients (``None`` where the replica has none) and, after AdamW, the full
-parameters must match in fp32. Covered: eval under ``no_grad`` between steps, a block
-called twice, activation checkpointing (reentrant and not), a block skipped in one step,
-frozen parameters, gradient accumulation, ``set_requires_gradient_sync``, manual and async
-``unshard``/``reshard``, ``register_fsdp_forward_method``, the list form of ``fully_shard``
-and ``reshard_after_forward`` as ``False`` or an int.
+Numbers (``helpers.train_and_compare``, fsdp2 only): each rank trains a sharded model, mostly
+``models.ResidualNet`` (its root holds parameters on both sides of two residual blocks; flags
+skip a block, call one twice or checkpoint them), on its slice of a global batch and, in the
+same process, a plain replica (same seed) on the whole batch; the initial full parameters,
+then per step the rank-averaged loss, the full gradients (``None`` where the replica has
+none) and, after AdamW, the full parameters must match in fp32. Covered: eval under
+``no_grad`` between steps, a block called twice, activation checkpointing (reentrant and
+not), a block skipped in one step, frozen parameters, gradient accumulation,
+``set_requires_gradient_sync``, manual and async ``unshard``/``reshard``,
+``register_fsdp_forward_method``, the list form of ``fully_shard`` and
+``reshard_after_forward`` as ``False`` or an int.
 """
 
 from __future__ import annotations
@@ -24,59 +27,16 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from _harness import run_on_ranks
-from torch.distributed.device_mesh import init_device_mesh
+from helpers import check_grads, grads_of, mine, train_and_compare, world_mesh
+from models import ResidualBlock, ResidualNet, make_batch, shard_model
 from torch.distributed.tensor import DTensor, Shard
-from torch.utils.checkpoint import checkpoint
 
 from fsdp2 import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 
 WORLD_SIZES = [2, 4]
-IN, D, OUT = 5, 6, 3  # D=6 on 4 ranks: chunks of 2, 2, 2, 0 rows (uneven, one empty)
-BATCH = 8  # global batch; every world size and microbatch count here divides it
-
-
-# ---------------------------------------------------------------------------------------------
-# Tiny models
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin1 = nn.Linear(D, D)
-        self.lin2 = nn.Linear(D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.lin2(torch.tanh(self.lin1(x)))
-
-
-class Net(nn.Module):
-    """``inp -> blocks -> out``; flags change the forward between steps."""
-
-    def __init__(self, n_blocks: int = 2) -> None:
-        super().__init__()
-        self.inp = nn.Linear(IN, D)
-        self.blocks = nn.ModuleList(Block() for _ in range(n_blocks))
-        self.out = nn.Linear(D, OUT)
-        self.skip: int | None = None  # index of a block this forward leaves out
-        self.reuse_first = False  # call blocks[0] twice
-        self.checkpoint: bool | None = None  # None: no checkpointing; else use_reentrant
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for i, block in enumerate(self.blocks):
-            if i == self.skip:
-                continue
-            if self.checkpoint is None:
-                h = block(h)
-            else:
-                h = checkpoint(block, h, use_reentrant=self.checkpoint)
-            if self.reuse_first and i == 0:
-                h = block(h)
-        return self.out(h)
-
-    def generate(self, x: torch.Tensor) -> torch.Tensor:
-        """Uses the root's own parameters outside ``forward``."""
-        return self.out(torch.relu(self.inp(x))) * 2
+IN, D, OUT = 5, 6, 3  # ResidualNet's sizes; D=6 on 4 ranks: chunks of 2, 2, 2, 0 rows
+TOL = {"rtol": 1e-5, "atol": 1e-6}  # gradients and parameters
+LOSS_TOL = {"rtol": 1.3e-6, "atol": 1e-5}  # torch's defaults for fp32
 
 
 class Scaled(nn.Module):
@@ -96,50 +56,19 @@ class Scaled(nn.Module):
 # Helpers
 
 
-def _mesh():
-    return init_device_mesh("cpu", (dist.get_world_size(),))
+def _shard_net(model: ResidualNet, mesh=None, **kwargs: Any) -> ResidualNet:
+    """Every block with ``kwargs``, then the root with the defaults."""
+    return shard_model(model, fully_shard, mesh, root_kwargs={}, **kwargs)
 
 
-def _shard_net(model: Net, mesh=None, **kwargs: Any) -> Net:
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, **kwargs)
-    fully_shard(model, mesh=mesh)
-    return model
+def _shard(model: ResidualNet, **kwargs: Any) -> ResidualNet:
+    """``_shard_net`` on the 1D mesh over every rank."""
+    return _shard_net(model, world_mesh(), **kwargs)
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.chunk(dist.get_world_size())[dist.get_rank()]
-
-
-def _full(t: torch.Tensor | None) -> torch.Tensor | None:
-    if t is None:
-        return None
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-
-
-def _assert_match(
-    model: nn.Module, ref: nn.Module, what: str, get: Callable[[nn.Parameter], Any]
-) -> None:
-    """Compare ``get(p)`` (param or grad) of every parameter, full tensors, fp32 tight."""
-    names = [n for n, _ in ref.named_parameters()]
-    assert [n for n, _ in model.named_parameters()] == names
-    got = [_full(get(p)) for p in model.parameters()]  # collective: all ranks, same order
-    for name, g, p_ref in zip(names, got, ref.parameters(), strict=True):
-        want = get(p_ref)
-        if want is None or g is None:
-            assert g is None and want is None, (
-                f"{what} {name}: sharded has {'no' if g is None else 'a'} value, "
-                f"reference has {'no' if want is None else 'a'} value"
-            )
-            continue
-        torch.testing.assert_close(
-            g, want.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{what} {n}: {m}"
-        )
+    """The global batch of ``step``: 8 rows of ``IN`` features, ``OUT`` targets."""
+    return make_batch("residual", step)
 
 
 def _assert_sharded_registered(model: nn.Module, params: list[nn.Parameter] | None) -> None:
@@ -155,13 +84,13 @@ def _assert_sharded_registered(model: nn.Module, params: list[nn.Parameter] | No
             assert p is q, f"{name} is not the parameter object the optimizer holds"
 
 
-def _mse_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+def _mse_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     loss = F.mse_loss(model(x), y)
     loss.backward()
     return loss.detach()
 
 
-StepFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, int], torch.Tensor]
+StepFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _compare_training(
@@ -173,49 +102,45 @@ def _compare_training(
     before_step: Callable[[nn.Module, int], None] | None = None,
     eval_each_step: bool = False,
 ) -> None:
-    """Train a sharded model and a plain replica side by side; compare every step.
+    """Train a sharded model and a plain replica side by side (``helpers.train_and_compare``:
+    initial parameters, then per step loss, gradients and parameters).
 
-    The sharded model sees this rank's slice of each global batch, the replica all of it;
-    ``step_fn`` runs forward and backward and returns the loss (a mean over the rows it
-    saw, so the rank average equals the replica's loss). ``before_step(model, step)`` sets
-    per-step flags on both models.
+    ``step_fn`` runs forward and backward and returns the loss (a mean over the rows it saw);
+    ``before_step(model, step)`` sets per-step flags on both models; with ``eval_each_step``
+    a ``no_grad`` forward on this rank's slice precedes each step and must match the
+    replica's. Outside forward and backward, every registered parameter must be the sharded
+    DTensor the optimizer holds.
     """
-    world_size = dist.get_world_size()
     torch.manual_seed(0)
     ref = build()
     torch.manual_seed(0)
     model = build()
     shard(model)
     params = list(model.parameters())
-    _assert_sharded_registered(model, None)
-    _assert_match(model, ref, "initial param", lambda p: p)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = torch.optim.AdamW(params, lr=1e-2)
-    for step in range(steps):
-        x, y = _batch(step)
+
+    def before(step: int, x: torch.Tensor, y: torch.Tensor) -> None:
         if before_step is not None:
             before_step(ref, step)
             before_step(model, step)
         if eval_each_step:
             with torch.no_grad():
-                got = model(_local(x))
-                want = ref(_local(x))
-            torch.testing.assert_close(got, want, msg=lambda m, s=step: f"step {s} eval: {m}")
+                got = model(mine(x))
+                want = ref(mine(x))
+            torch.testing.assert_close(got, want, msg=lambda m: f"step {step} eval: {m}")
             _assert_sharded_registered(model, params)
-        ref_loss = step_fn(ref, x, y, step)
-        loss = step_fn(model, _local(x), _local(y), step).clone()
-        dist.all_reduce(loss)
-        torch.testing.assert_close(
-            loss / world_size, ref_loss, msg=lambda m, s=step: f"step {s} loss: {m}"
-        )
-        _assert_sharded_registered(model, params)
-        _assert_match(model, ref, f"step {step} grad", lambda p: p.grad)
-        ref_opt.step()
-        opt.step()
-        ref_opt.zero_grad()
-        opt.zero_grad()
-        _assert_sharded_registered(model, params)
-        _assert_match(model, ref, f"step {step} param", lambda p: p)
+
+    train_and_compare(
+        ref,
+        {"fsdp2": model},
+        batch=_batch,
+        forward_backward=step_fn,
+        steps=steps,
+        tol=TOL,
+        loss_tol=LOSS_TOL,
+        check_init=True,
+        before_step=before,
+        invariant=lambda key, m, ps: _assert_sharded_registered(m, ps),
+    )
 
 
 def _run(world_size: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
@@ -227,19 +152,20 @@ def _run(world_size: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
 
 
 def _class_swap() -> None:
-    mesh = _mesh()
-    model = Net()
+    mesh = world_mesh()
+    model = ResidualNet()
     fully_shard(model.inp, mesh=mesh)
     fully_shard(model.out, mesh=mesh)
     _shard_net(model, mesh)
     assert type(model.inp).__name__ == "FSDPLinear"
     assert isinstance(model.inp, nn.Linear) and isinstance(model.inp, FSDPModule)
     assert type(model.inp) is type(model.out), "two Linear modules must share one FSDP class"
-    assert type(model.blocks[0]) is type(model.blocks[1])
-    assert type(model.blocks[0]).__name__ == "FSDPBlock" and isinstance(model.blocks[0], Block)
-    assert type(model).__name__ == "FSDPNet" and isinstance(model, Net)
-    assert type(model.blocks[0].lin1) is nn.Linear, "submodules are not swapped"
-    assert type(model.blocks) is nn.ModuleList
+    assert type(model.layers[0]) is type(model.layers[1])
+    assert type(model.layers[0]).__name__ == "FSDPResidualBlock"
+    assert isinstance(model.layers[0], ResidualBlock)
+    assert type(model).__name__ == "FSDPResidualNet" and isinstance(model, ResidualNet)
+    assert type(model.layers[0].lin1) is nn.Linear, "submodules are not swapped"
+    assert type(model.layers) is nn.ModuleList
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -248,7 +174,7 @@ def test_class_swap(world_size: int) -> None:
 
 
 def _sequential_slicing() -> None:
-    mesh = _mesh()
+    mesh = world_mesh()
     torch.manual_seed(0)
     seq = nn.Sequential(nn.Linear(IN, D), nn.Tanh(), nn.Linear(D, OUT))
     ref = nn.Sequential(nn.Linear(IN, D), nn.Tanh(), nn.Linear(D, OUT))
@@ -263,7 +189,7 @@ def _sequential_slicing() -> None:
     assert type(head) is nn.Sequential, f"slicing gave {type(head).__name__}"
     assert len(head) == 2 and head[0] is seq[0] and head[1] is seq[1]
     assert list(seq[-2:]) == [seq[1], seq[2]]
-    x = _local(_batch(0)[0])
+    x = mine(_batch(0)[0])
     with torch.no_grad():
         torch.testing.assert_close(seq(x), ref(x))
     _assert_sharded_registered(seq, None)
@@ -276,7 +202,7 @@ def test_sequential_slicing(world_size: int) -> None:
 
 def _default_mesh() -> None:
     torch.manual_seed(0)
-    model = Net()
+    model = ResidualNet()
     orig = {n: p.detach().clone() for n, p in model.named_parameters()}
     _shard_net(model)  # mesh=None everywhere
     ws = dist.get_world_size()
@@ -296,7 +222,7 @@ def test_default_mesh(world_size: int) -> None:
 
 
 def _buffers() -> None:
-    mesh = _mesh()
+    mesh = world_mesh()
     torch.manual_seed(0)
     probe = Scaled()
     fully_shard(probe, mesh=mesh)
@@ -319,9 +245,9 @@ def test_buffers_unsharded_and_used(world_size: int) -> None:
 
 
 def _unsharded_identity() -> None:
-    mesh = _mesh()
+    mesh = world_mesh()
     torch.manual_seed(0)
-    model = _shard_net(Net(), mesh)
+    model = _shard_net(ResidualNet(), mesh)
     seen: dict[str, list[tuple[int, bool, tuple[int, ...]]]] = {}
 
     def record(key: str, module: nn.Module) -> Callable[..., None]:
@@ -334,17 +260,17 @@ def _unsharded_identity() -> None:
         return hook
 
     # Registered after fully_shard: runs after fsdp2's pre-forward (which is prepended).
-    model.blocks[0].register_forward_pre_hook(record("blocks.0", model.blocks[0]))
-    model.blocks[1].lin1.register_forward_pre_hook(record("blocks.1.lin1", model.blocks[1].lin1))
+    model.layers[0].register_forward_pre_hook(record("layers.0", model.layers[0]))
+    model.layers[1].lin1.register_forward_pre_hook(record("layers.1.lin1", model.layers[1].lin1))
     model.inp.register_forward_pre_hook(record("inp", model.inp))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(3):
         x, y = _batch(step)
-        F.mse_loss(model(_local(x)), _local(y)).backward()
+        F.mse_loss(model(mine(x)), mine(y)).backward()
         opt.step()
         opt.zero_grad()
-    assert set(seen) >= {"blocks.0.lin1.weight", "blocks.1.lin1.bias", "inp.weight"}
-    full_shapes = {n: tuple(p.shape) for n, p in Net().named_parameters()}
+    assert set(seen) >= {"layers.0.lin1.weight", "layers.1.lin1.bias", "inp.weight"}
+    full_shapes = {n: tuple(p.shape) for n, p in ResidualNet().named_parameters()}
     for key, records in seen.items():
         assert len(records) == 3, key
         ids = {r[0] for r in records}
@@ -359,9 +285,9 @@ def test_unsharded_param_identity_stable(world_size: int) -> None:
 
 
 def _registered_are_optimizer_params() -> None:
-    mesh = _mesh()
+    mesh = world_mesh()
     torch.manual_seed(0)
-    model = _shard_net(Net(), mesh)
+    model = _shard_net(ResidualNet(), mesh)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=1e-2)
     opt_params = opt.param_groups[0]["params"]
@@ -369,10 +295,10 @@ def _registered_are_optimizer_params() -> None:
     for step in range(3):
         _assert_sharded_registered(model, params)
         x, y = _batch(step)
-        loss = F.mse_loss(model(_local(x)), _local(y))
+        loss = F.mse_loss(model(mine(x)), mine(y))
         # Between forward and backward: blocks resharded (default True); the root keeps
         # its unsharded parameters for backward (default False for the root).
-        for block in model.blocks:
+        for block in model.layers:
             _assert_sharded_registered(block, None)
         assert not isinstance(model.inp.weight, DTensor)
         loss.backward()
@@ -395,7 +321,7 @@ def test_registered_params_are_optimizer_params(world_size: int) -> None:
 
 
 def _parity_default() -> None:
-    _compare_training(Net, lambda m: _shard_net(m, _mesh()))
+    _compare_training(ResidualNet, _shard)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -404,7 +330,7 @@ def test_parity_plain(world_size: int) -> None:
 
 
 def _eval_then_train() -> None:
-    _compare_training(Net, lambda m: _shard_net(m, _mesh()), eval_each_step=True)
+    _compare_training(ResidualNet, _shard, eval_each_step=True)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -417,7 +343,7 @@ def _reuse(model: nn.Module, step: int) -> None:
 
 
 def _weight_reuse() -> None:
-    _compare_training(Net, lambda m: _shard_net(m, _mesh()), before_step=_reuse)
+    _compare_training(ResidualNet, _shard, before_step=_reuse)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -453,7 +379,7 @@ class _ReuseWithoutGradInput(nn.Module):
 
 def _reuse_without_grad_input() -> None:
     def shard(m: nn.Module) -> None:
-        mesh = _mesh()
+        mesh = world_mesh()
         fully_shard(m.a, mesh=mesh)
         fully_shard(m.b, mesh=mesh)
         fully_shard(m, mesh=mesh)
@@ -467,7 +393,7 @@ def test_module_called_twice_first_input_without_grad(world_size: int) -> None:
 
 
 def _small_copy_not_reused() -> None:
-    mesh = _mesh()
+    mesh = world_mesh()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(IN, D), nn.Linear(D, OUT))
     fully_shard(model[0], mesh=mesh, reshard_after_forward=2)
@@ -498,7 +424,9 @@ def _set_checkpoint(use_reentrant: bool) -> Callable[[nn.Module, int], None]:
 
 def _activation_checkpointing(use_reentrant: bool) -> None:
     _compare_training(
-        Net, lambda m: _shard_net(m, _mesh()), before_step=_set_checkpoint(use_reentrant)
+        ResidualNet,
+        _shard,
+        before_step=_set_checkpoint(use_reentrant),
     )
 
 
@@ -513,10 +441,10 @@ def _skip_second_block_at_step_1(model: nn.Module, step: int) -> None:
 
 
 def _unused_block() -> None:
-    # _compare_training checks that blocks.1's grads are None at step 1 like the replica's.
+    # _compare_training checks that layers.1's grads are None at step 1 like the replica's.
     _compare_training(
-        lambda: Net(n_blocks=3),
-        lambda m: _shard_net(m, _mesh()),
+        lambda: ResidualNet(n_layers=3),
+        _shard,
         before_step=_skip_second_block_at_step_1,
         steps=3,
     )
@@ -527,10 +455,10 @@ def test_unused_block_gets_no_grad(world_size: int) -> None:
     _run(world_size, _unused_block)
 
 
-def _frozen_net(which: str) -> Callable[[], Net]:
-    def build() -> Net:
-        model = Net()
-        frozen = model.blocks[0].lin1 if which == "one_linear" else model.blocks[1]
+def _frozen_net(which: str) -> Callable[[], ResidualNet]:
+    def build() -> ResidualNet:
+        model = ResidualNet()
+        frozen = model.layers[0].lin1 if which == "one_linear" else model.layers[1]
         frozen.requires_grad_(False)
         return model
 
@@ -538,7 +466,7 @@ def _frozen_net(which: str) -> Callable[[], Net]:
 
 
 def _frozen(which: str) -> None:
-    _compare_training(_frozen_net(which), lambda m: _shard_net(m, _mesh()))
+    _compare_training(_frozen_net(which), _shard)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -547,7 +475,7 @@ def test_frozen_params(which: str, world_size: int) -> None:
     _run(world_size, _frozen, which)
 
 
-def _two_backwards(model: nn.Module, x: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+def _two_backwards(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     total = torch.zeros(())
     for xm, ym in zip(x.chunk(2), y.chunk(2), strict=True):  # no zero_grad in between: grads add up
         loss = F.mse_loss(model(xm), ym)
@@ -557,7 +485,7 @@ def _two_backwards(model: nn.Module, x: torch.Tensor, y: torch.Tensor, step: int
 
 
 def _grad_accumulation() -> None:
-    _compare_training(Net, lambda m: _shard_net(m, _mesh()), _two_backwards)
+    _compare_training(ResidualNet, _shard, _two_backwards)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -566,9 +494,9 @@ def test_gradient_accumulation(world_size: int) -> None:
 
 
 def _microbatches(k: int) -> StepFn:
-    def step_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+    def step_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if not isinstance(model, FSDPModule):  # the replica: one big batch
-            return _mse_step(model, x, y, step)
+            return _mse_step(model, x, y)
         total = torch.zeros(())
         for i, (xm, ym) in enumerate(zip(x.chunk(k), y.chunk(k), strict=True)):
             last = i == k - 1
@@ -586,7 +514,7 @@ def _microbatches(k: int) -> StepFn:
 
 
 def _no_sync(k: int) -> None:
-    _compare_training(Net, lambda m: _shard_net(m, _mesh()), _microbatches(k))
+    _compare_training(ResidualNet, _shard, _microbatches(k))
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -596,28 +524,26 @@ def test_requires_gradient_sync_microbatches(k: int, world_size: int) -> None:
 
 
 def _net_math(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Net's forward written with the registered tensors, no module calls."""
+    """ResidualNet's forward written with the registered tensors, no module calls."""
     h = F.linear(x, model.inp.weight, model.inp.bias)
-    for b in model.blocks:
+    for b in model.layers:
         a = torch.tanh(F.linear(h, b.lin1.weight, b.lin1.bias))
         h = h + F.linear(a, b.lin2.weight, b.lin2.bias)
     return F.linear(h, model.out.weight, model.out.bias)
 
 
 def _unshard_reshard() -> None:
-    _compare_training(Net, lambda m: _shard_net(m, _mesh()), _manual_unshard_checked)
+    _compare_training(ResidualNet, _shard, _manual_unshard_checked)
 
 
-def _manual_unshard_checked(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, step: int
-) -> torch.Tensor:
+def _manual_unshard_checked(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if isinstance(model, FSDPModule):
         fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         params = list(model.parameters())
         model.unshard()  # not recursive: only the root's own parameters
         assert not isinstance(model.inp.weight, DTensor)
         assert tuple(model.inp.weight.shape) == (D, IN)
-        assert isinstance(model.blocks[0].lin1.weight, DTensor)
+        assert isinstance(model.layers[0].lin1.weight, DTensor)
         for m in fsdp_modules:
             m.unshard()
         assert not any(isinstance(p, DTensor) for p in model.parameters())
@@ -629,7 +555,7 @@ def _manual_unshard_checked(
         with torch.no_grad():
             torch.testing.assert_close(manual, model(x))  # the hooks gather the same values
         _assert_sharded_registered(model, params)
-    return _mse_step(model, x, y, step)
+    return _mse_step(model, x, y)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -638,20 +564,20 @@ def test_unshard_manual_forward_reshard(world_size: int) -> None:
 
 
 def _async_unshard() -> None:
-    mesh = _mesh()
+    mesh = world_mesh()
     torch.manual_seed(0)
-    model = _shard_net(Net(), mesh)
+    model = _shard_net(ResidualNet(), mesh)
     torch.manual_seed(0)
-    full = {n: p.detach().clone() for n, p in Net().named_parameters()}
-    block = model.blocks[0]
+    full = {n: p.detach().clone() for n, p in ResidualNet().named_parameters()}
+    block = model.layers[0]
     params = list(model.parameters())
     handle = block.unshard(async_op=True)
     assert isinstance(handle, UnshardHandle)
     handle.wait()
     handle.wait()  # idempotent
     for name, p in block.named_parameters():
-        assert not isinstance(p, DTensor), f"blocks.0.{name} still sharded after wait()"
-        torch.testing.assert_close(p.detach(), full[f"blocks.0.{name}"], rtol=0, atol=0)
+        assert not isinstance(p, DTensor), f"layers.0.{name} still sharded after wait()"
+        torch.testing.assert_close(p.detach(), full[f"layers.0.{name}"], rtol=0, atol=0)
     assert block.unshard() is None
     block.reshard()
     _assert_sharded_registered(model, params)
@@ -662,17 +588,15 @@ def test_unshard_async_handle(world_size: int) -> None:
     _run(world_size, _async_unshard)
 
 
-def _prefetch_all_then_forward(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, step: int
-) -> torch.Tensor:
+def _prefetch_all_then_forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if isinstance(model, FSDPModule):
-        handles = [b.unshard(async_op=True) for b in model.blocks]  # waited by their forward
+        handles = [b.unshard(async_op=True) for b in model.layers]  # waited by their forward
         assert all(isinstance(h, UnshardHandle) for h in handles)
-    return _mse_step(model, x, y, step)
+    return _mse_step(model, x, y)
 
 
 def _async_unshard_training() -> None:
-    _compare_training(Net, lambda m: _shard_net(m, _mesh()), _prefetch_all_then_forward)
+    _compare_training(ResidualNet, _shard, _prefetch_all_then_forward)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -681,16 +605,16 @@ def test_unshard_async_waited_by_forward(world_size: int) -> None:
 
 
 def _forward_method() -> None:
-    mesh = _mesh()
+    mesh = world_mesh()
     torch.manual_seed(0)
-    ref = Net()
+    ref = ResidualNet()
     torch.manual_seed(0)
-    model = _shard_net(Net(), mesh)
+    model = _shard_net(ResidualNet(), mesh)
     params = list(model.parameters())
     register_fsdp_forward_method(model, "generate")
     register_fsdp_forward_method(ref, "generate")  # a no-op on plain modules
     assert isinstance(model.inp.weight, DTensor)
-    x = _local(_batch(0)[0])
+    x = mine(_batch(0)[0])
     with torch.no_grad():
         torch.testing.assert_close(model.generate(x), ref.generate(x))
     _assert_sharded_registered(model, params)
@@ -698,7 +622,7 @@ def _forward_method() -> None:
     model.generate(x).sum().backward()
     ref.generate(_batch(0)[0]).sum().div(dist.get_world_size()).backward()
     _assert_sharded_registered(model, params)
-    _assert_match(model, ref, "generate grad", lambda p: p.grad)
+    check_grads({"fsdp2": model}, grads_of(ref), "generate", **TOL)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -706,17 +630,19 @@ def test_register_fsdp_forward_method(world_size: int) -> None:
     _run(world_size, _forward_method)
 
 
-def _shard_as_list(model: Net) -> None:
-    mesh = _mesh()
-    blocks = [model.blocks[0], model.blocks[1]]
+def _shard_as_list(model: ResidualNet) -> None:
+    mesh = world_mesh()
+    blocks = [model.layers[0], model.layers[1]]
     out = fully_shard(blocks, mesh=mesh)
     assert out == blocks and all(a is b for a, b in zip(out, blocks, strict=True))
-    assert all(isinstance(b, FSDPModule) and type(b).__name__ == "FSDPBlock" for b in blocks)
+    assert all(
+        isinstance(b, FSDPModule) and type(b).__name__ == "FSDPResidualBlock" for b in blocks
+    )
     fully_shard(model, mesh=mesh)
 
 
 def _list_form() -> None:
-    _compare_training(Net, _shard_as_list)
+    _compare_training(ResidualNet, _shard_as_list)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -725,7 +651,7 @@ def test_fully_shard_list_form(world_size: int) -> None:
 
 
 def _reshard_after_forward(value: bool | int) -> None:
-    _compare_training(Net, lambda m: _shard_net(m, _mesh(), reshard_after_forward=value))
+    _compare_training(ResidualNet, lambda m: _shard(m, reshard_after_forward=value))
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -736,8 +662,8 @@ def test_reshard_after_forward(value: bool | int, world_size: int) -> None:
 
 def _reshard_int_checkpointed() -> None:
     _compare_training(
-        Net,
-        lambda m: _shard_net(m, _mesh(), reshard_after_forward=2),
+        ResidualNet,
+        lambda m: _shard(m, reshard_after_forward=2),
         before_step=_set_checkpoint(False),
     )
 

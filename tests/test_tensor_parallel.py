@@ -30,7 +30,6 @@ Gradient clipping with FSDP + TP is in ``test_clip_grad_norm.py``.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -38,10 +37,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from _harness import run_on_ranks
+from helpers import ENGINES, check_close, train_and_compare
 from models import full_grads, full_params, mean_over_ranks, rank_slice, shard_model
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from tp_models import (
@@ -60,14 +59,6 @@ from fsdp2 import FSDPModule
 
 WORLD_SIZE = 4
 STEPS = 3
-TOL = {"atol": 1e-5, "rtol": 1e-5}
-ENGINES: dict[str, Callable[..., Any]] = {"fsdp2": fsdp2.fully_shard, "torch": torch_fully_shard}
-
-
-def _close(got: torch.Tensor | None, want: torch.Tensor | None, what: str) -> None:
-    assert (got is None) == (want is None), f"{what}: got {got}, want {want}"
-    if got is not None:
-        torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{what}: {m}")
 
 
 def _layout(model: nn.Module) -> dict[str, tuple[Any, str, tuple[int, ...]]]:
@@ -138,51 +129,19 @@ def _tp_parity(mesh_name: str, plan: str) -> None:
 def _train_and_compare(
     ref: nn.Module, models: dict[str, nn.Module], mesh: DeviceMesh, steps: int = STEPS
 ) -> None:
-    """AdamW steps: ``ref`` on the global batch, each engine's model on its data-parallel
-    slice; loss, full grads and full params against ``ref``, fsdp2 against torch bitwise."""
-    dp_rank, dp_size = dp_rank_and_size(mesh)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    opts = {
-        e: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for e, m in models.items()
-    }
-    for step in range(steps):
-        x, y = tp_batch(step)
-        ref_loss = tp_loss(ref, x, y)
-        ref_loss.backward()
-        ref_named = dict(ref.named_parameters())
-        xs, ys = rank_slice(x, dp_rank, dp_size), rank_slice(y, dp_rank, dp_size)
-        seen: dict[str, dict[str, torch.Tensor | None]] = {}
-        for engine, model in models.items():
-            loss = tp_loss(model, xs, ys)
-            loss.backward()
-            # Every TP rank of a data-parallel rank holds the same loss: the mean over all
-            # ranks is the mean over data-parallel ranks.
-            _close(mean_over_ranks(loss), ref_loss.detach(), f"{engine} step {step} loss")
-            grads = full_grads(model)
-            for name, grad in grads.items():
-                _close(grad, ref_named[name].grad, f"{engine} step {step} grad {name}")
-            seen[engine] = {"loss": loss.detach(), **{f"grad {n}": g for n, g in grads.items()}}
-        for opt in (ref_opt, *opts.values()):
-            opt.step()
-            opt.zero_grad()
-        for engine, model in models.items():
-            for name, full in full_params(model).items():
-                _close(full, ref_named[name].detach(), f"{engine} step {step} param {name}")
-                seen[engine][f"param {name}"] = full
-        _check_bitwise(seen["fsdp2"], seen["torch"], step)
-
-
-def _check_bitwise(ours: dict, theirs: dict, step: int) -> None:
-    # Same TP ops, same padding, same flat reduce-scatter: on CPU the two engines compute the
-    # same floats (as in test_parity.py); a deliberate change of arithmetic order should say so.
-    for key, want in theirs.items():
-        got = ours[key]
-        assert (got is None) == (want is None), f"step {step} {key}: fsdp2 {got}, torch {want}"
-        if got is not None:
-            assert torch.equal(got, want), (
-                f"step {step} {key}: fsdp2 differs from torch's fully_shard bitwise "
-                f"(max abs diff {(got - want).abs().max().item():.3g})"
-            )
+    """``helpers.train_and_compare`` with AdamW: ``ref`` on the global batch, each engine's
+    model on its data-parallel slice; loss, full grads and full params against ``ref``,
+    fsdp2 against torch bitwise (same TP ops, same padding, same flat reduce-scatter). Every
+    TP rank of a data-parallel rank holds the same loss: the mean over all ranks is the mean
+    over data-parallel ranks."""
+    train_and_compare(
+        ref,
+        models,
+        batch=tp_batch,
+        loss=tp_loss,
+        steps=steps,
+        data_parallel=dp_rank_and_size(mesh),
+    )
 
 
 @pytest.mark.parametrize("plan", ["tp", "tp_sp"])
@@ -229,7 +188,7 @@ def test_meta_init_fsdp_tp(plan: str) -> None:
 # A DTensor parameter on a mesh that does not compose with the data-parallel mesh
 
 
-def _unrelated_mesh(case: str) -> None:
+def _unrelated_mesh(engine: str, case: str) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     if case == "world_1d":  # (dp, world) would need 8 ranks
         other = init_device_mesh("cpu", (WORLD_SIZE,))
@@ -238,25 +197,26 @@ def _unrelated_mesh(case: str) -> None:
     else:
         assert case == "dp_mesh_itself", case
         other = mesh["dp"]
-    for engine, fn in ENGINES.items():
-        lin = nn.Linear(4, 4, bias=False)
-        weight = nn.Parameter(distribute_tensor(lin.weight.detach(), other, [Shard(0)]))
-        lin.weight = weight
-        if engine == "fsdp2":
-            with pytest.raises(
-                ValueError, match=r"parameter weight is a DTensor on mesh .*not another dimension"
-            ):
-                fn(lin, mesh=mesh["dp"])
-            assert lin.weight is weight, "a failed fully_shard replaced the parameter"
-            assert not isinstance(lin, FSDPModule), "a failed fully_shard swapped the class"
-        else:  # torch raises too, though not a ValueError (TypeError / RuntimeError)
-            with pytest.raises(Exception):  # noqa: B017
-                fn(lin, mesh=mesh["dp"])
+    fn = ENGINES[engine]
+    lin = nn.Linear(4, 4, bias=False)
+    weight = nn.Parameter(distribute_tensor(lin.weight.detach(), other, [Shard(0)]))
+    lin.weight = weight
+    if engine == "fsdp2":
+        with pytest.raises(
+            ValueError, match=r"parameter weight is a DTensor on mesh .*not another dimension"
+        ):
+            fn(lin, mesh=mesh["dp"])
+        assert lin.weight is weight, "a failed fully_shard replaced the parameter"
+        assert not isinstance(lin, FSDPModule), "a failed fully_shard swapped the class"
+    else:  # torch raises too, though not a ValueError (TypeError / RuntimeError)
+        with pytest.raises(Exception):  # noqa: B017
+            fn(lin, mesh=mesh["dp"])
 
 
 @pytest.mark.parametrize("case", ["world_1d", "other_root_overlapping", "dp_mesh_itself"])
-def test_dtensor_param_on_unrelated_mesh_raises(case: str) -> None:
-    run_on_ranks(WORLD_SIZE, _unrelated_mesh, case)
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_dtensor_param_on_unrelated_mesh_raises(engine: str, case: str) -> None:
+    run_on_ranks(WORLD_SIZE, _unrelated_mesh, engine, case)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,12 +250,12 @@ def _full_plain_into_tp(plan: str) -> None:
         ref_loss.backward()
         loss = tp_loss(model, rank_slice(x, dp_rank, dp_size), rank_slice(y, dp_rank, dp_size))
         loss.backward()
-        _close(mean_over_ranks(loss), ref_loss.detach(), f"step {step} loss")
+        check_close(mean_over_ranks(loss), ref_loss.detach(), f"step {step} loss")
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
     for name, full in full_params(model).items():
-        _close(full, ckpt.get_parameter(name).detach(), f"trained {name}")
+        check_close(full, ckpt.get_parameter(name).detach(), f"trained {name}")
 
 
 @pytest.mark.parametrize("plan", ["tp", "tp_sp"])

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 from _harness import run_on_ranks
+from helpers import world_mesh
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy as TorchOffload
@@ -143,7 +144,7 @@ def _two_tensor_parity(
     version: int, raf: bool | int, engines: tuple[str, ...], double: bool = False
 ) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = world_mesh()
     with two_tensor_hooks(version):
         torch.manual_seed(42)
         ref = _two_tensor_stack()
@@ -171,11 +172,15 @@ def _two_tensor_parity(
             for o in (ref_opt, *opts.values()):
                 o.step()
                 o.zero_grad(set_to_none=step % 2 == 0)
-            for loss in losses.values():
+            for e, loss in losses.items():
                 total = _local_a(loss)
                 dist.all_reduce(total)
                 torch.testing.assert_close(
-                    total / world, _local_a(ref_loss) * 1.0, atol=1e-5, rtol=1e-5
+                    total / world,
+                    _local_a(ref_loss) * 1.0,
+                    atol=1e-5,
+                    rtol=1e-5,
+                    msg=lambda m, e=e, s=step: f"{e} step {s} loss: {m}",
                 )
             if len(models) == 2:
                 assert torch.equal(losses["fsdp2"].a, losses["torch"].a), f"step {step}"
@@ -183,7 +188,13 @@ def _two_tensor_parity(
         for e, m in models.items():
             for name, p in m.named_parameters():
                 want = _chunk(_local_a(ref_params[name]), rank, world)
-                torch.testing.assert_close(_local_a(p), want, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(
+                    _local_a(p),
+                    want,
+                    atol=1e-5,
+                    rtol=1e-5,
+                    msg=lambda m, e=e, n=name: f"{e} {n}: {m}",
+                )
                 assert torch.equal(p.to_local().a, p.to_local().b), f"{e} {name}: halves diverged"
         if len(models) == 2:
             for (n, p), (_, q) in zip(
@@ -191,7 +202,7 @@ def _two_tensor_parity(
                 models["torch"].named_parameters(),
                 strict=True,
             ):
-                assert torch.equal(_local_a(p), _local_a(q)), n
+                assert torch.equal(_local_a(p), _local_a(q)), f"{n}: fsdp2 differs from torch"
 
 
 @pytest.mark.parametrize("version", [1, 2], ids=["pre-v1", "pre-v2"])
@@ -210,8 +221,7 @@ def test_two_tensor_dtype_change_after_sharding() -> None:
 
 
 def _two_tensor_meta(version: int, bf16: bool, offload: bool) -> None:
-    world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = world_mesh()
     losses: dict[str, list[torch.Tensor]] = {}
     finals: dict[str, list[torch.Tensor]] = {}
     with two_tensor_hooks(version):
@@ -224,7 +234,7 @@ def _two_tensor_meta(version: int, bf16: bool, offload: bool) -> None:
             torch.manual_seed(5)
             for p in model.parameters():
                 nn.init.trunc_normal_(p)
-            assert type(model.layers[0].in_proj.weight._local_tensor) is TwoTensor
+            assert type(model.layers[0].in_proj.weight._local_tensor) is TwoTensor, engine
             opt = torch.optim.Adam(model.parameters(), lr=1e-2)
             torch.manual_seed(42 + dist.get_rank())
             x = torch.randn(2, 8)
@@ -237,9 +247,9 @@ def _two_tensor_meta(version: int, bf16: bool, offload: bool) -> None:
                 opt.zero_grad()
             finals[engine] = [_local_a(p) for p in model.parameters()]
     for step, (a, b) in enumerate(zip(losses["fsdp2"], losses["torch"], strict=True)):
-        assert torch.equal(a, b), f"step {step}: {a} != {b}"
-    for a, b in zip(finals["fsdp2"], finals["torch"], strict=True):
-        assert torch.equal(a, b)
+        assert torch.equal(a, b), f"step {step}: fsdp2 {a} != torch {b}"
+    for i, (a, b) in enumerate(zip(finals["fsdp2"], finals["torch"], strict=True)):
+        assert torch.equal(a, b), f"parameter {i}: fsdp2 differs from torch"
 
 
 @pytest.mark.parametrize(
@@ -257,7 +267,7 @@ def test_two_tensor_meta_init(version: int, bf16: bool, offload: bool) -> None:
 def _patched_case(after_steps: int) -> None:
     """Hooks patched onto every weight's local tensor after ``to_empty`` (found at the first
     forward) or after ``after_steps`` training steps (found when the next forward begins)."""
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = world_mesh()
     calls = {"pre": 0}
 
     def pre(self, mesh, outer_size, outer_stride, module, mp_policy):
@@ -317,10 +327,10 @@ def _patched_case(after_steps: int) -> None:
         results[engine] = (losses, [p.to_local().clone() for p in model.parameters()])
     if after_steps:
         return
-    for a, b in zip(results["fsdp2"][0], results["torch"][0], strict=True):
-        assert torch.equal(a, b)
-    for a, b in zip(results["fsdp2"][1], results["torch"][1], strict=True):
-        assert torch.equal(a, b)
+    for step, (a, b) in enumerate(zip(results["fsdp2"][0], results["torch"][0], strict=True)):
+        assert torch.equal(a, b), f"step {step}: fsdp2 {a} != torch {b}"
+    for i, (a, b) in enumerate(zip(results["fsdp2"][1], results["torch"][1], strict=True)):
+        assert torch.equal(a, b), f"parameter {i}: fsdp2 differs from torch"
 
 
 @pytest.mark.parametrize("after_steps", [0, 1], ids=["before_training", "after_a_step"])
@@ -443,15 +453,19 @@ def _bf16_case(mesh_shape: tuple[int, ...]) -> None:
             [p._data if isinstance(p, Bf16Gather) else p for p in params],
         )
         call = Bf16Gather.calls[0]
-        assert call["mesh"].ndim == 1 and call["mesh"].size() == shard_size
-        assert tuple(call["size"]) == (3, 4) and tuple(call["stride"]) == (4, 1)
-        assert call["module"] is model.layers[0]
-        assert call["mp"].param_dtype is None
+        what = f"{engine} pad={pad}"
+        assert call["mesh"].ndim == 1 and call["mesh"].size() == shard_size, (what, call)
+        assert tuple(call["size"]) == (3, 4) and tuple(call["stride"]) == (4, 1), (what, call)
+        assert call["module"] is model.layers[0], (what, call)
+        assert call["mp"].param_dtype is None, (what, call)
         if engine == "fsdp2":
             # One all-gather per group (3 layers; the root has no parameters) in forward and
             # again in backward; groups with a Bf16Gather weight move bytes (uint8).
             per_step = sent[: len(sent) // 3]
-            assert [d for d, _ in per_step] == [torch.uint8, torch.float32, torch.uint8] * 2
+            assert [d for d, _ in per_step] == [torch.uint8, torch.float32, torch.uint8] * 2, (
+                what,
+                per_step,
+            )
     want = runs[("torch", True)]
     for key, (losses, params) in runs.items():
         for a, b in zip(losses, want[0], strict=True):
@@ -473,7 +487,7 @@ class _OnlyPre(TwoTensor):
 
 
 def _error_case(kind: str) -> str:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = world_mesh()
     model = _Stack(n=1)
     lin = model.layers[0].in_proj
     shard_placement_fn = None
@@ -520,7 +534,7 @@ class _MyParam(nn.Parameter):
 
 
 def _plain_subclass_case() -> list[float]:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = world_mesh()
     out = []
     for wrap in (False, True):
         torch.manual_seed(0)
@@ -548,7 +562,7 @@ def test_plain_parameter_subclass_is_sharded_like_a_tensor() -> None:
 def _uneven_bad_input_case() -> str:
     # An uneven parameter whose hook returns inputs of an unrelated shape fails on every rank
     # (no rank is left waiting in the all-gather).
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = world_mesh()
     model = _Uneven(pad=True)
     for layer in model.layers:
         fsdp2.fully_shard(layer, mesh=mesh)

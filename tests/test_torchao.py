@@ -29,6 +29,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from _harness import run_on_ranks
+from helpers import check_close_run, check_same_run, mine, world_mesh
+from models import mean_over_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -96,17 +98,6 @@ def _shard(model: nn.Module, engine: str, mesh, **kw) -> nn.Module:
     return model
 
 
-def _rank_slice(t: torch.Tensor) -> torch.Tensor:
-    n = t.size(0) // dist.get_world_size()
-    return t[dist.get_rank() * n : (dist.get_rank() + 1) * n]
-
-
-def _mean(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().clone()
-    dist.all_reduce(t)
-    return t / dist.get_world_size()
-
-
 def _train(model: nn.Module, opt, loss_of, steps, *, precompute: bool = False) -> list:
     """For each step index in ``steps``: ``loss_of(step)``, backward, optimizer step (then
     float8 scales, with ``precompute``). Returns the rank-averaged losses."""
@@ -116,7 +107,7 @@ def _train(model: nn.Module, opt, loss_of, steps, *, precompute: bool = False) -
     for step in steps:
         loss = loss_of(step)
         loss.backward()
-        losses.append(_mean(loss))
+        losses.append(mean_over_ranks(loss))
         opt.step()
         opt.zero_grad()
         if precompute:
@@ -129,7 +120,7 @@ def _mse(model: nn.Module, dims=(32, 32), n: int = 16):
 
     def loss_of(step: int) -> torch.Tensor:
         x, y = _batch(step, dims, n)
-        return F.mse_loss(model(_rank_slice(x)), _rank_slice(y))
+        return F.mse_loss(model(mine(x)), mine(y))
 
     return loss_of
 
@@ -137,15 +128,18 @@ def _mse(model: nn.Module, dims=(32, 32), n: int = 16):
 def _compare_engines(run, reference=None, *, tol: float = 1e-4) -> None:
     """``run(engine)`` trains one sharded copy and returns ``(losses, local params)``; both
     engines must agree bitwise, and ``reference`` (a list of losses) within ``tol``."""
-    results = {engine: run(engine) for engine in ENGINES}
-    (ours, our_params), (theirs, their_params) = results["fsdp2"], results["torch"]
-    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-        assert torch.equal(a, b), f"step {step}: loss {a.item()} (fsdp2) != {b.item()} (torch)"
-        if reference is not None:
-            torch.testing.assert_close(a, reference[step], atol=tol, rtol=tol)
-    assert our_params.keys() == their_params.keys()
-    for name, t in their_params.items():
-        assert torch.equal(our_params[name], t), f"parameter {name} differs from torch's"
+    results = {}
+    for engine in ENGINES:
+        losses, params = run(engine)
+        results[engine] = {"losses": losses, "params": params}
+    check_same_run(results["fsdp2"], results["torch"])
+    if reference is not None:
+        check_close_run(
+            results["fsdp2"],
+            {"losses": reference},
+            "fsdp2 vs reference",
+            tol={"atol": tol, "rtol": tol},
+        )
 
 
 # ---- float8 --------------------------------------------------------------------------------
@@ -165,7 +159,7 @@ def _float8_mlp_case(all_gather: bool, precompute: bool, bf16: bool) -> None:
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = world_mesh()
     param_dtype = torch.bfloat16 if bf16 else None
 
     def train(model: nn.Module, sharded: bool) -> tuple[list[torch.Tensor], dict]:
@@ -174,13 +168,13 @@ def _float8_mlp_case(all_gather: bool, precompute: bool, bf16: bool) -> None:
         for step in range(STEPS):
             x, y = _batch(step)
             if sharded:
-                x, y = _rank_slice(x), _rank_slice(y)
+                x, y = mine(x), mine(y)
             loss = F.mse_loss(model(x).float(), y)
             loss.backward()
             if not sharded:  # the reference saw the global batch: nothing to average
                 losses.append(loss.detach())
             else:
-                losses.append(_mean(loss))
+                losses.append(mean_over_ranks(loss))
             opt.step()
             opt.zero_grad()
             if precompute:
@@ -192,7 +186,7 @@ def _float8_mlp_case(all_gather: bool, precompute: bool, bf16: bool) -> None:
         model = _shard(_float8(MLP(), all_gather), engine, mesh, mp_policy=_mp(engine, param_dtype))
         if all_gather:
             w = model.layers[0].weight
-            assert isinstance(w, DTensor)
+            assert isinstance(w, DTensor), engine
             assert isinstance(w._local_tensor, WeightWithDynamicFloat8CastTensor), engine
         return train(model, sharded=True)
 
@@ -222,7 +216,7 @@ def _float8_llama_case() -> None:
 
     from fsdp2.models.llama import Llama, LlamaConfig
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = world_mesh()
     cfg = LlamaConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, max_seq_len=32)
     g = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, 64, (4, 17), generator=g)
@@ -232,7 +226,7 @@ def _float8_llama_case() -> None:
         model = _float8(Llama(cfg), all_gather=True)
         _shard(model, engine, mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        x, y = _rank_slice(tokens[:, :-1]), _rank_slice(tokens[:, 1:])
+        x, y = mine(tokens[:, :-1]), mine(tokens[:, 1:])
 
         def loss_of(step: int) -> torch.Tensor:
             logits = model(x)
@@ -251,7 +245,7 @@ def test_float8_llama_parity() -> None:
 def _float8_bytes_case() -> None:
     from unittest import mock
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = world_mesh()
     sizes: dict[bool, list[int]] = {}
     for all_gather in (False, True):
         torch.manual_seed(0)
@@ -265,7 +259,7 @@ def _float8_bytes_case() -> None:
 
         x, _ = _batch(0, (64, 64))
         with mock.patch.object(dist, "all_gather_single", counted):
-            model(_rank_slice(x)).sum().backward()
+            model(mine(x)).sum().backward()
         sizes[all_gather] = seen
     # 2 layer groups (the root has no parameters), resharded after forward: two all-gathers
     # in forward, two in backward.
@@ -283,7 +277,7 @@ def _float8_meta_dcp_case(tmpdir: str) -> None:
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = world_mesh()
 
     def build(engine: str) -> nn.Module:
         with torch.device("meta"):
@@ -302,7 +296,10 @@ def _float8_meta_dcp_case(tmpdir: str) -> None:
         model = build(engine)
         for name, p in model.named_parameters():
             if name.endswith("weight"):
-                assert isinstance(p._local_tensor, WeightWithDynamicFloat8CastTensor), name
+                assert isinstance(p._local_tensor, WeightWithDynamicFloat8CastTensor), (
+                    engine,
+                    name,
+                )
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = steps(model, opt, 0, 2)
         path = f"{tmpdir}/{engine}"
@@ -315,7 +312,10 @@ def _float8_meta_dcp_case(tmpdir: str) -> None:
         state = {"model": model2.state_dict(), "optim": opt2.state_dict()}
         for name, v in state["model"].items():
             if name.endswith("weight"):
-                assert isinstance(v._local_tensor, WeightWithDynamicFloat8CastTensor), name
+                assert isinstance(v._local_tensor, WeightWithDynamicFloat8CastTensor), (
+                    engine,
+                    name,
+                )
         dcp.load(state, checkpoint_id=path)
         model2.load_state_dict(state["model"])
         opt2.load_state_dict(state["optim"])
@@ -340,7 +340,7 @@ def _int8_case(reshard_after_forward: bool) -> None:
     from torchao.prototype.quantized_training import int8_mixed_precision_training
     from torchao.quantization import quantize_
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = world_mesh()
 
     def run(engine: str):
         torch.manual_seed(0)
@@ -349,7 +349,7 @@ def _int8_case(reshard_after_forward: bool) -> None:
         _shard(model, engine, mesh, reshard_after_forward=reshard_after_forward)
         assert type(model.layers[0].weight._local_tensor).__name__ == (
             "Int8MixedPrecisionTrainingLinearWeight"
-        )
+        ), engine
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = _train(model, opt, _mse(model), range(STEPS))
         return losses, {n: plain(p) for n, p in model.named_parameters()}
@@ -396,12 +396,12 @@ class _QLoRA(nn.Module):
 
 def _nf4_case() -> None:
     _quiet_import_torchao()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = world_mesh()
 
     def run(engine: str):
         torch.manual_seed(0)
         model = _shard(_QLoRA(), engine, mesh)
-        assert type(model.layers[0].weight._local_tensor).__name__ == "NF4Tensor"
+        assert type(model.layers[0].weight._local_tensor).__name__ == "NF4Tensor", engine
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         losses = _train(model, opt, _mse(model, (256, 256), n=8), range(3))
         params = {n: plain(p) for n, p in model.named_parameters() if p.requires_grad}
@@ -425,7 +425,7 @@ def _float8_state_dict_case() -> None:
     from fsdp2.fsdp1 import summon_full_params
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = world_mesh()
 
     def sharded(seed: int) -> nn.Module:
         torch.manual_seed(seed)
@@ -466,13 +466,13 @@ def _float8_state_dict_case() -> None:
             assert isinstance(state["layers.0.weight"], WeightWithDynamicFloat8CastTensor)
         target.load_state_dict(state)
         check_locals(target, full, f"load {source}")
-        F.mse_loss(target(_rank_slice(x)), _rank_slice(y)).backward()
+        F.mse_loss(target(mine(x)), mine(y)).backward()
 
     # 3. assign=True keeps the subclass when the values have it, and refuses to drop it.
     target = sharded(3)
     target.load_state_dict(model.state_dict(), assign=True)
     check_locals(target, full, "assign")
-    F.mse_loss(target(_rank_slice(x)), _rank_slice(y)).backward()
+    F.mse_loss(target(mine(x)), mine(y)).backward()
     bad = {
         n: DTensor.from_local(plain(v), v.device_mesh, v.placements, run_check=False)
         for n, v in sharded(4).state_dict().items()
@@ -540,7 +540,7 @@ def _float8_tp_case() -> None:
         _shard(model, engine, mesh["dp"])
         assert type(model.layers[0].w1.weight._local_tensor).__name__ == (
             "WeightWithDynamicFloat8CastTensor"
-        )
+        ), engine
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
         def loss_of(step: int) -> torch.Tensor:  # data parallel over "dp" only
