@@ -284,7 +284,7 @@ class MeshCache:
         key = (like.dtype, like.device)
         t = self.placeholders.get(key)
         if t is None:
-            t = self.placeholders[key] = like.new_empty(0)
+            t = self.placeholders[key] = torch.empty(0, dtype=like.dtype, device=like.device)
         return t
 
 

@@ -233,13 +233,10 @@ class FSDPParam:
     def grad_dtensor(self, local: torch.Tensor) -> DTensor:
         """A gradient for the sharded parameter, wrapping ``local`` (no checks, no copy)."""
         assert self.spec is not None, "grad_dtensor before the sharded parameter exists"
-        placeholder = self.placeholder
-        if placeholder is None or (placeholder.dtype, placeholder.device) != (
-            local.dtype,
-            local.device,
-        ):
-            assert self.spec is not None, "grad_dtensor before the sharded parameter exists"
-        placeholder = self.placeholder = local.new_empty(0)
+        placeholder = self.placeholder  # gradients live where the sharded parameter does
+        if placeholder is None or placeholder.dtype != local.dtype:
+            placeholder = torch.empty(0, dtype=local.dtype, device=local.device)
+            self.placeholder = placeholder
         return _wrap(local, self.spec, False, placeholder)
 
 
@@ -272,7 +269,7 @@ def _wrap(
     given), then given ``local``.
     """
     if placeholder is None:
-        placeholder = local.new_empty(0)
+        placeholder = torch.empty(0, dtype=local.dtype, device=local.device)
     dt = DTensor(placeholder, spec, requires_grad=requires_grad)
     dt._local_tensor = local
     return dt
