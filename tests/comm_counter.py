@@ -4,8 +4,9 @@
 ``reduce_scatter_single``, ``reduce_scatter_tensor`` and ``all_reduce`` (patched on the module
 for the ``with`` block only, then restored) and records each call's kind, group size and input
 numel as a ``Call``. Tests may interleave marker strings (``mark``, ``mark_computes``) to record
-when a module computes relative to the collectives. DTensor's ``full_tensor()`` uses functional
-collectives, which bypass these functions; never call it inside a counted region anyway.
+when a module computes relative to the collectives. DTensor's ``full_tensor()`` (functional
+collectives) and ``models.full_params`` / ``full_grads`` bypass these patches: tests may check
+full gradients inside a counted region.
 """
 
 from __future__ import annotations

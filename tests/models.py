@@ -7,11 +7,14 @@ purpose: with 2 or 4 ranks some dim-0 shards are padded and some ranks hold no r
 on 4 ranks: 2, 2, 2, 0 rows).
 
 Build every copy of a model under the same seed (``build``) and feed every engine the same
-global batch (``make_batch``); a rank trains on its slice of it (``rank_slice``).
+global batch (``make_batch``); a rank trains on its slice of it (``rank_slice``). Compare full
+values with ``full_params`` / ``full_grads``: one all-gather per group and dtype for the usual
+dim-0 shards (``full_values``; ``test_shared_helpers.py`` holds them to ``full_tensor()``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.checkpoint import checkpoint
 
 __all__ = [
@@ -31,6 +34,7 @@ __all__ = [
     "TransformerBlock",
     "build",
     "full_value",
+    "full_values",
     "full_grads",
     "full_params",
     "local_loss",
@@ -285,12 +289,83 @@ def full_value(t: Any) -> Any:
     return t.detach().clone() if isinstance(t, torch.Tensor) else t
 
 
+def full_values(ts: Sequence[Any]) -> list[Any]:
+    """``[full_value(t) for t in ts]`` (collective), with one all-gather per process group and
+    dtype for the DTensors whose full value is their dim-0 shards put back together: plain
+    local tensors of a float dtype, placements ``(Shard(0),)`` or ``(Replicate(), Shard(0))``.
+    The same values as ``full_tensor()`` (``torch.chunk``'s split of dim 0, replicas equal),
+    in far fewer collectives; every other value goes through ``full_value``. Like DTensor's
+    functional collectives, the all-gather bypasses ``comm_counter.CommCounter``'s patches."""
+    out: list[Any] = [None] * len(ts)
+    buckets: dict[tuple[Any, torch.dtype], list[int]] = {}
+    for i, t in enumerate(ts):
+        dim = _shard0_dim(t)
+        if dim is None:
+            out[i] = full_value(t)
+        else:
+            buckets.setdefault((t.device_mesh.get_group(dim), t.dtype), []).append(i)
+    for idx in buckets.values():
+        for i, full in zip(idx, _gather_shard0([ts[i] for i in idx]), strict=True):
+            out[i] = full
+    return out
+
+
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """``name -> full (unsharded) parameter`` for every parameter; collective for DTensors."""
-    return {n: full_value(p) for n, p in model.named_parameters()}
+    named = list(model.named_parameters())
+    return dict(zip([n for n, _ in named], full_values([p for _, p in named]), strict=True))
 
 
 def full_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     """``name -> full gradient`` (``None`` where a parameter has none); collective for
     DTensor gradients, so every rank must call it."""
-    return {n: full_value(p.grad) for n, p in model.named_parameters()}
+    named = list(model.named_parameters())
+    grads = full_values([p.grad for _, p in named])
+    return dict(zip([n for n, _ in named], grads, strict=True))
+
+
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_all_gather_single = dist.all_gather_single  # taken at import: no CommCounter patch sees it
+
+
+def _shard0_dim(t: Any) -> int | None:
+    """The mesh dim ``t`` is sharded on (dim 0) when ``full_values`` may gather it in a
+    bucket, else ``None``. Depends only on what every rank agrees on."""
+    if not isinstance(t, DTensor) or t.dtype not in _FLOATS or t.dim() == 0:
+        return None
+    if type(t.to_local()) is not torch.Tensor:  # tensor subclasses: DTensor knows best
+        return None
+    ndim = t.device_mesh.ndim
+    if ndim > 2 or tuple(t.placements) != (Replicate(),) * (ndim - 1) + (Shard(0),):
+        return None
+    return ndim - 1
+
+
+def _gather_shard0(ts: list[DTensor]) -> list[torch.Tensor]:
+    """Full values of DTensors on one group, dtype and layout (see ``full_values``)."""
+    mesh, dim = ts[0].device_mesh, ts[0].device_mesh.ndim - 1
+    world, rank = mesh.size(dim), mesh.get_local_rank(dim)
+    pieces, rows = [], []
+    for t in ts:
+        local = t.to_local().detach()
+        per_rank = -(-t.shape[0] // world)  # torch.chunk's split: ceil, trailing ranks short
+        held = max(0, min(per_rank, t.shape[0] - rank * per_rank))
+        assert tuple(local.shape) == (held, *t.shape[1:]), (
+            f"rank {rank}'s local shard of a {tuple(t.shape)} DTensor is {tuple(local.shape)}, "
+            f"not torch.chunk's {held} rows"
+        )
+        piece = local.new_zeros((per_rank, *t.shape[1:]))
+        piece[:held] = local
+        pieces.append(piece.reshape(-1))
+        rows.append(per_rank)
+    flat = torch.cat(pieces)
+    gathered = flat.new_empty(world * flat.numel())
+    _all_gather_single(gathered, flat, group=mesh.get_group(dim))
+    gathered = gathered.view(world, -1)
+    out, offset = [], 0
+    for t, per_rank in zip(ts, rows, strict=True):
+        n = per_rank * math.prod(t.shape[1:])
+        full = gathered[:, offset : offset + n].reshape(world * per_rank, *t.shape[1:])
+        out.append(full[: t.shape[0]].clone(memory_format=torch.contiguous_format))
+        offset += n
+    return out
