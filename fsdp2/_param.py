@@ -233,8 +233,11 @@ class FSDPParam:
     def grad_dtensor(self, local: torch.Tensor) -> DTensor:
         """A gradient for the sharded parameter, wrapping ``local`` (no checks, no copy)."""
         assert self.spec is not None, "grad_dtensor before the sharded parameter exists"
-        placeholder = self.placeholder  # gradients live where the sharded parameter does
-        if placeholder is None or placeholder.dtype != local.dtype:
+        placeholder = self.placeholder  # from fully_shard: may be on meta since
+        if placeholder is None or (placeholder.dtype, placeholder.device) != (
+            local.dtype,
+            local.device,
+        ):
             placeholder = torch.empty(0, dtype=local.dtype, device=local.device)
             self.placeholder = placeholder
         return _wrap(local, self.spec, False, placeholder)
