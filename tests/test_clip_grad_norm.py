@@ -1,6 +1,7 @@
 """``torch.nn.utils.clip_grad_norm_`` on ``fully_shard`` models, on 4 gloo ranks, with fsdp2 and
-torch's ``fully_shard`` side by side, against an unsharded reference trained on the global
-batch (2 AdamW steps, clipping every step at a max norm below the total norm):
+with torch's ``fully_shard`` (the ``engine`` parameter), each against an unsharded reference
+trained on the global batch (2 AdamW steps, clipping every step at a max norm below the total
+norm):
 
 * FSDP (1D mesh) and HSDP (2x2) ``tests/models.TinyTransformer``: every gradient is a DTensor on
   one mesh; the returned total norm (a DTensor; ``full_tensor()``) equals the reference's and
@@ -25,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from _harness import run_on_ranks
-from helpers import ENGINES, check_close, expect_raises, hsdp_mesh, world_mesh
+from helpers import ENGINES, check_close, hsdp_mesh, world_mesh
 from models import build, full_grads, full_params, rank_slice, shard_model
 from torch.distributed.tensor import DTensor
 from tp_models import (
@@ -43,25 +44,18 @@ WORLD_SIZE = 4
 MAX_NORM = 0.05  # below every total norm seen here, so clipping scales
 
 
-def _sharded_engines(setup: str) -> tuple[nn.Module, dict[str, nn.Module], int, int, Callable]:
-    """The reference, the two sharded models, this rank's data-parallel slice and the loss."""
+def _sharded(setup: str, engine: str) -> tuple[nn.Module, nn.Module, int, int, Callable]:
+    """The reference, the sharded model, this rank's data-parallel slice and the loss."""
+    fn = ENGINES[engine]
     if setup in ("fsdp", "hsdp"):
-        if setup == "fsdp":
-            dp_mesh = world_mesh()
-        else:
-            dp_mesh = hsdp_mesh((2, 2))
-        ref = build("transformer")
-        models = {e: shard_model(build("transformer"), fn, dp_mesh) for e, fn in ENGINES.items()}
-        return ref, models, dist.get_rank(), WORLD_SIZE, _transformer_loss
+        dp_mesh = world_mesh() if setup == "fsdp" else hsdp_mesh((2, 2))
+        model = shard_model(build("transformer"), fn, dp_mesh)
+        return build("transformer"), model, dist.get_rank(), WORLD_SIZE, _transformer_loss
     mesh, dp_mesh, tp_mesh = make_meshes("fsdp2x2")
     plan = "tp_sp" if setup == "fsdp_tp_sp" else "tp"
-    ref = build_tp_model()
-    models = {
-        e: shard_model(parallelize(build_tp_model(), tp_mesh, plan), fn, dp_mesh)
-        for e, fn in ENGINES.items()
-    }
+    model = shard_model(parallelize(build_tp_model(), tp_mesh, plan), fn, dp_mesh)
     dp_rank, dp_size = dp_rank_and_size(mesh)
-    return ref, models, dp_rank, dp_size, _tp_step_loss
+    return build_tp_model(), model, dp_rank, dp_size, _tp_step_loss
 
 
 def _transformer_loss(model: nn.Module, step: int, rank: int, size: int) -> torch.Tensor:
@@ -77,46 +71,42 @@ def _tp_step_loss(model: nn.Module, step: int, rank: int, size: int) -> torch.Te
     return tp_loss(model, rank_slice(x, rank, size), rank_slice(y, rank, size))
 
 
-def _clip(setup: str) -> None:
-    ref, models, dp_rank, dp_size, loss_fn = _sharded_engines(setup)
+def _clip(setup: str, engine: str) -> None:
+    ref, model, dp_rank, dp_size, loss_fn = _sharded(setup, engine)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opts = {e: torch.optim.AdamW(m.parameters(), lr=1e-2) for e, m in models.items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     mixed_meshes = setup == "fsdp_tp"
     for step in range(2):
         loss_fn(ref, step, 0, 1).backward()
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
         assert ref_norm > MAX_NORM, f"step {step}: norm {ref_norm} too small to test clipping"
         ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-        for engine, model in models.items():
-            loss_fn(model, step, dp_rank, dp_size).backward()
-            params = list(model.parameters())
-            if mixed_meshes:
-                with expect_raises(engine, RuntimeError, match="must have the same mesh"):
-                    torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
-                # A plain total norm does not help: one foreach op cannot mix meshes either
-                # (max_norm far above it: even a partial scaling would multiply by 1).
-                with expect_raises(engine, RuntimeError, match="different meshes"):
-                    torch.nn.utils.clip_grads_with_norm_(params, 1e6, torch.tensor(1.0))
-                norm = fsdp2.clip_grad_norm_(params, MAX_NORM)
-            else:
-                norm = torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
-                assert isinstance(norm, DTensor), f"{engine}: total norm is a {type(norm).__name__}"
-                norm = norm.full_tensor()
-            check_close(norm, ref_norm, f"{engine} step {step} total norm")
-            for name, grad in full_grads(model).items():
-                check_close(grad, ref_grads[name], f"{engine} step {step} clipped grad {name}")
-        for opt in (ref_opt, *opts.values()):
-            opt.step()
-            opt.zero_grad()
-        for engine, model in models.items():
-            for name, full in full_params(model).items():
-                check_close(
-                    full,
-                    dict(ref.named_parameters())[name].detach(),
-                    f"{engine} step {step} param {name}",
-                )
+        loss_fn(model, step, dp_rank, dp_size).backward()
+        params = list(model.parameters())
+        if mixed_meshes:
+            with pytest.raises(RuntimeError, match="must have the same mesh"):
+                torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+            # A plain total norm does not help: one foreach op cannot mix meshes either
+            # (max_norm far above it: even a partial scaling would multiply by 1).
+            with pytest.raises(RuntimeError, match="different meshes"):
+                torch.nn.utils.clip_grads_with_norm_(params, 1e6, torch.tensor(1.0))
+            norm = fsdp2.clip_grad_norm_(params, MAX_NORM)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+            assert isinstance(norm, DTensor), f"total norm is a {type(norm).__name__}"
+            norm = norm.full_tensor()
+        check_close(norm, ref_norm, f"step {step} total norm")
+        for name, grad in full_grads(model).items():
+            check_close(grad, ref_grads[name], f"step {step} clipped grad {name}")
+        for o in (ref_opt, opt):
+            o.step()
+            o.zero_grad()
+        ref_params = dict(ref.named_parameters())
+        for name, full in full_params(model).items():
+            check_close(full, ref_params[name].detach(), f"step {step} param {name}")
 
 
 @pytest.mark.parametrize("setup", ["fsdp", "hsdp", "fsdp_tp_sp", "fsdp_tp"])
-def test_clip_grad_norm(setup: str) -> None:
-    run_on_ranks(WORLD_SIZE, _clip, setup)
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_clip_grad_norm(engine: str, setup: str) -> None:
+    run_on_ranks(WORLD_SIZE, _clip, setup, engine)
