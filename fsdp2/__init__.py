@@ -1,6 +1,7 @@
 """fsdp2: fully sharded data parallel training for PyTorch, API-compatible
 with torch's FSDP2 ``fully_shard`` (torch 2.13)."""
 
+from . import optim
 from .api import (
     AllGather,
     Comm,
@@ -31,6 +32,7 @@ __all__ = [
     "UnshardHandle",
     "clip_grad_norm_",
     "fully_shard",
+    "optim",
     "register_fsdp_forward_method",
     "share_comm_ctx",
 ]
