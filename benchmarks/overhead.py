@@ -2,9 +2,10 @@
 
 Runs fsdp2 and torch's FSDP2 interleaved in the same process group and prints
 median step time and fully_shard init time per implementation, with ratios.
-``--baseline DIR`` adds another fsdp2 (the ``fsdp2`` package under DIR, e.g. a
-``git worktree`` of an older commit) as a third implementation, to measure a
-change A/B in one run.
+``--bucket-bytes N`` calls ``set_bucket_bytes(N)`` on fsdp2's root (bucketed
+collectives; torch's FSDP2 has no such setting). ``--baseline DIR`` adds another
+fsdp2 (the ``fsdp2`` package under DIR, e.g. a ``git worktree`` of an older
+commit) as a third implementation, to measure a change A/B in one run.
 
     python benchmarks/overhead.py --layers 64 --world-size 2
     git worktree add /tmp/before HEAD~1
@@ -44,7 +45,7 @@ def load_baseline(root: str) -> None:
     spec.loader.exec_module(module)
 
 
-def shard_with(impl: str, model: nn.Module, mesh) -> float:
+def shard_with(impl: str, model: nn.Module, mesh, bucket_bytes: int | None = None) -> float:
     if impl == "fsdp2":
         from fsdp2 import fully_shard
     elif impl == "baseline":
@@ -55,6 +56,8 @@ def shard_with(impl: str, model: nn.Module, mesh) -> float:
     for block in model:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if bucket_bytes is not None and impl == "fsdp2":
+        model.set_bucket_bytes(bucket_bytes)  # type: ignore[operator]
     return time.perf_counter() - t0
 
 
@@ -70,7 +73,7 @@ def worker(rank: int, args: argparse.Namespace) -> None:
     models, opts, inits = {}, {}, {i: [] for i in impls}
     for impl in impls:
         m = build(args.layers, args.dim)
-        inits[impl].append(shard_with(impl, m, mesh))
+        inits[impl].append(shard_with(impl, m, mesh, args.bucket_bytes))
         models[impl] = m
         opts[impl] = torch.optim.SGD(m.parameters(), lr=1e-3)
     times: dict[str, list[float]] = {i: [] for i in impls}
@@ -117,6 +120,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--port", type=int, default=29533)
+    ap.add_argument("--bucket-bytes", type=int, help="fsdp2: set_bucket_bytes(N) on the root")
     ap.add_argument("--baseline", help="a directory holding another fsdp2 package to compare")
     args = ap.parse_args()
     mp.spawn(worker, args=(args,), nprocs=args.world_size)

@@ -27,6 +27,21 @@ def _reduce_scatter(
     return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=True)
 
 
+class SharedWork:
+    """One collective's work shared by several ``Pending`` (the groups of a bucket):
+    the first ``wait`` waits, the others return at once."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work: dist.Work | SharedWork | None) -> None:
+        self.work = work
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
 class Pending(NamedTuple):
     """A collective in flight: ``output`` is valid once ``work`` is waited.
 
@@ -35,7 +50,7 @@ class Pending(NamedTuple):
     """
 
     output: torch.Tensor
-    work: dist.Work | None
+    work: dist.Work | SharedWork | None
     input: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
@@ -65,6 +80,22 @@ def all_gather(
     else:
         work = comm(output, input, group, async_op=True)
     return Pending(output.view(world_size, -1), work, input)
+
+
+def all_gather_bucket(
+    inputs: list[torch.Tensor], group: dist.ProcessGroup, world_size: int
+) -> list[Pending]:
+    """All-gather several flat 1D inputs in ONE collective (of their concatenation). One
+    ``Pending`` per input, whose output is its ``(world_size, numel)`` columns of the
+    shared output; the whole output stays alive until every one of them is dropped."""
+    flat = torch.cat(inputs)
+    whole = all_gather(flat, group, world_size)
+    work = SharedWork(whole.work)
+    pendings, start = [], 0
+    for x in inputs:
+        pendings.append(Pending(whole.output.narrow(1, start, x.numel()), work, flat))
+        start += x.numel()
+    return pendings
 
 
 def copy_out(output: torch.Tensor, split_sizes: list[int], dsts: list[torch.Tensor]) -> None:

@@ -27,7 +27,6 @@ from . import _reduce as R
 from . import _relayout as L
 from ._mesh import MeshInfo, shard_mesh
 from ._param import FSDPParam
-from ._reduce import Reduction
 from ._relayout import group_dtype
 from ._settings import GatherSettings, ReduceSettings
 from ._small_shard import SmallShard
@@ -296,14 +295,44 @@ class ParamGroup:
             self._pending_ag = self.small.all_gather()
             self._pending_ag_small = True
             return
+        flat = self.gather_input()
+        if self.ext_params:
+            flat = X.pack_inputs(self, flat)
+        self.gather_issued(C.all_gather(flat, self.info.shard_group, self.world, self.gather.comm))
+
+    def gather_input(self) -> torch.Tensor:
+        """This rank's flat all-gather input (plain parameters)."""
         flat = self.sharded_flat
         if flat.numel() and (flat.device != self.device or self.param_dtype != flat.dtype):
             # CPU offload (host-to-device) and/or param_dtype cast, in one op
             flat = flat.to(self.device, self.param_dtype, non_blocking=True)
-        if self.ext_params:
-            flat = X.pack_inputs(self, flat)
-        self._pending_ag = C.all_gather(flat, self.info.shard_group, self.world, self.gather.comm)
+        return flat
+
+    def gather_issued(self, pending: C.Pending) -> None:
+        """This group's all-gather (alone, or its slice of a bucket's) is in flight."""
+        self._pending_ag = pending
         self._pending_ag_small = False
+
+    def needs_gather(self) -> bool:
+        """Neither unsharded nor being gathered."""
+        return self.sharded_state is not Sharded.UNSHARDED and self._pending_ag is None
+
+    def gather_key(self) -> tuple[Any, ...] | None:
+        """Groups with equal keys may share one all-gather (``None``: never bucketed);
+        only while they need one (``needs_gather``)."""
+        g = self.gather
+        if (
+            g.bucket_bytes is None
+            or g.comm is not None
+            or self.ext_params
+            or self.sharded_state is not Sharded.SHARDED
+        ):
+            return None
+        return (self.info.shard_group, self.world, self.param_dtype, self.device)
+
+    def gather_bytes(self) -> int:
+        """Bytes of the unsharded parameters (the all-gather output)."""
+        return self.world * self.shard_numel * self.param_dtype.itemsize
 
     def has_pending_unshard(self) -> bool:
         """Whether an all-gather was issued and not waited yet."""
@@ -412,12 +441,12 @@ class ParamGroup:
 
     # ---- gradients --------------------------------------------------------------
 
-    def post_backward(self) -> Reduction | None:
-        """Start reducing the gradients computed so far (one reduce-scatter; the caller
-        queues and advances the returned reduction) and reshard."""
+    def post_backward(self) -> R.Part | None:
+        """Take the gradients computed so far for reduction (the caller issues the
+        reduce-scatter, alone or bucketed, and advances it) and reshard."""
         reduction = None
         if self.reduce.sync:
-            reduction = R.reduce_grads(self)
+            reduction = R.take_grads(self)
         elif self.reduce_dtype is not None:
             R.accumulate_in_reduce_dtype(self)
         if self.gather.reshard_after_backward:

@@ -1,16 +1,20 @@
 """A group's gradients: from the unsharded parameters' ``.grad`` to the sharded ones'.
 
-``reduce_grads(group)`` packs the unsharded gradients rank-major (see [Note: flat
-storage] in _param.py), issues ONE reduce-scatter and returns a ``Reduction``: the state
-layer queues it and advances it stage by stage (reduce-scatter, then for HSDP the
-all-reduce, then landing), so the group never waits on its own reduction and never
-calls up into the state layer.
+``take_grads(group)`` takes a group's unsharded gradients as a ``Part``; ``reduce(parts)``
+packs one or several groups' parts rank-major (see [Note: flat storage] in _param.py),
+issues ONE reduce-scatter and returns a ``Reduction``: the state layer queues it and
+advances it stage by stage (reduce-scatter, then for HSDP the all-reduce, then landing),
+so a group never waits on its own reduction and never calls up into the state layer.
+Several parts share a reduce-scatter when their groups are bucketed
+(``FSDPModule.set_bucket_bytes``, see [Note: buckets] in _state.py).
 """
 
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+import itertools
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -30,21 +34,35 @@ class ReduceStage(enum.Enum):
     DONE = "done"
 
 
+class Part(NamedTuple):
+    """One group's share of a reduction: its parameters with gradients, those gradients
+    (unsharded, not packed yet) and where its rank's slice starts in the reduced output."""
+
+    group: ParamGroup
+    params: list[FSDPParam]
+    grads: list[torch.Tensor]
+    numel: int  # elements per rank
+    nbytes: int  # of the packed reduce-scatter input (every rank's rows)
+
+
 class Reduction:
-    """One group's gradient reduction in flight: reduce-scatter, then (HSDP)
-    all-reduce, then the gradients land on the sharded parameters."""
+    """One reduce-scatter in flight (of one group's gradients, or of a bucket of groups'),
+    then (HSDP) its all-reduce, then the gradients land on the sharded parameters."""
 
-    __slots__ = ("group", "params", "pending", "plan", "stage", "host_copy")
+    __slots__ = ("group", "parts", "starts", "pending", "plan", "stage", "host_copy")
 
-    def __init__(
-        self, group: ParamGroup, params: list[FSDPParam], pending: C.Pending, plan: C.DividePlan
-    ) -> None:
-        self.group = group
-        self.params = params
+    def __init__(self, parts: list[Part], pending: C.Pending, plan: C.DividePlan) -> None:
+        self.group = parts[0].group  # settings common to the bucket (see bucket_key)
+        self.parts = parts
+        self.starts = list(itertools.accumulate((p.numel for p in parts[:-1]), initial=0))
         self.pending = pending
         self.plan = plan
         self.stage = ReduceStage.REDUCE_SCATTER
         self.host_copy = False  # gradients copied to pinned host memory asynchronously
+
+    def _slices(self, output: torch.Tensor) -> Iterator[tuple[Part, torch.Tensor]]:
+        for part, start in zip(self.parts, self.starts, strict=True):
+            yield part, output.narrow(0, start, part.numel)
 
     def advance(self) -> bool:
         """Wait for the current stage and start the next; True once finished."""
@@ -53,24 +71,26 @@ class Reduction:
         output = self.pending.wait()
         replicate = g.info.replicate_group
         if self.stage is ReduceStage.REDUCE_SCATTER and replicate is not None:
-            if not g.reduce.all_reduce:
+            if not g.reduce.all_reduce:  # never bucketed (see bucket_key)
                 # HSDP accumulation: keep the shard-reduced sum, all-reduce it later.
                 g.partial_reduce = (
                     output if g.partial_reduce is None else g.partial_reduce.add_(output)
                 )
                 self.stage = ReduceStage.DONE
                 return True
-            if g.partial_reduce is not None:
-                output.add_(g.partial_reduce)
-                g.partial_reduce = None
+            for part, out in self._slices(output):
+                if part.group.partial_reduce is not None:
+                    out.add_(part.group.partial_reduce)
+                    part.group.partial_reduce = None
             self.stage = ReduceStage.ALL_REDUCE
             self.pending = C.all_reduce(output, replicate, self.plan.ar_op)
             return False
-        if g.reduce.hook is not None:
-            g.reduce.hook(output)
-        if self.plan.post is not None:
-            output.div_(self.plan.post)
-        self.host_copy = land_grads(g, self.params, output)
+        for part, out in self._slices(output):
+            if part.group.reduce.hook is not None:
+                part.group.reduce.hook(out)
+            if self.plan.post is not None:
+                out.div_(self.plan.post)
+            self.host_copy |= land_grads(part.group, part.params, out)
         self.stage = ReduceStage.DONE
         return True
 
@@ -122,22 +142,47 @@ def _take_grads(group: ParamGroup) -> tuple[list[FSDPParam], list[torch.Tensor]]
     return params, grads
 
 
-def reduce_grads(group: ParamGroup) -> Reduction | None:
-    """Issue the reduce-scatter of the gradients computed so far (``None`` if there are
-    none); the caller advances the returned reduction."""
+def take_grads(group: ParamGroup) -> Part | None:
+    """Take the gradients computed so far off the unsharded parameters (``None`` if there
+    are none), ready for ``reduce`` alone or in a bucket with other groups'."""
     params, grads = _take_grads(group)
     if not params:
         return None
+    w = group.world
+    numel = sum(-(-g.size(0) // w) * (g.numel() // max(g.size(0), 1)) for g in grads)
+    dtype = group.reduce_dtype or group.param_dtype
+    return Part(group, params, grads, numel, w * numel * dtype.itemsize)
+
+
+def bucket_key(group: ParamGroup) -> tuple[Any, ...] | None:
+    """Groups with equal keys may share one reduce-scatter (``None``: never bucketed)."""
+    r = group.reduce
+    if r.bucket_bytes is None or r.comm is not None:
+        return None
+    if group.info.replicate_group is not None and not r.all_reduce:
+        return None  # HSDP partial sums are kept per group
+    pg = r.group or group.info.shard_group
+    dtype = group.reduce_dtype or group.param_dtype
+    return (pg, group.info.replicate_group, group.world, dtype, group.device, group.divide_plan)
+
+
+def reduce(parts: list[Part]) -> Reduction:
+    """Issue ONE reduce-scatter of the parts' gradients (groups of equal ``bucket_key``
+    when more than one): packed rank-major, each rank's row is its slice of every part
+    in turn."""
+    group = parts[0].group
     dtype = group.reduce_dtype or group.param_dtype
     comm = group.reduce.comm
+    grads = [g for part in parts for g in part.grads]
     packed = C.pack_for_reduce_scatter(grads, group.world, dtype, comm)
     del grads
+    parts = [part._replace(grads=[]) for part in parts]  # packed: free them as we go
     plan = group.divide_plan
     if plan.pre is not None:
         packed.div_(plan.pre)
     pg = group.reduce.group or group.info.shard_group
     pending = C.reduce_scatter(packed, pg, plan.rs_op, comm)
-    return Reduction(group, params, pending, plan)
+    return Reduction(parts, pending, plan)
 
 
 def land_grads(group: ParamGroup, params: list[FSDPParam], output: torch.Tensor) -> bool:

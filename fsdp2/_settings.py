@@ -30,12 +30,15 @@ class GatherSettings:
             need the parameters).
         comm: a custom all-gather (``set_custom_all_gather``, or the process group's
             allocator), ``None`` for c10d's.
+        bucket_bytes: gather with the groups that run next in one all-gather, up to this
+            many unsharded bytes (``set_bucket_bytes``); ``None``: alone.
     """
 
     post_forward: bool | int = True
     reshard_after_backward: bool = True
     unshard_in_backward: bool = True
     comm: AllGather | None = None
+    bucket_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,9 @@ class ReduceSettings:
         hook: called on each flat reduced gradient before it lands.
         comm: a custom reduce-scatter, ``None`` for c10d's.
         group: a separate process group for reduce-scatters, ``None`` for the shard group.
+        bucket_bytes: reduce with the groups whose backward finished next in one
+            reduce-scatter, up to this many input bytes (``set_bucket_bytes``); ``None``:
+            alone.
     """
 
     sync: bool = True
@@ -64,3 +70,4 @@ class ReduceSettings:
     hook: Callable[[torch.Tensor], None] | None = None
     comm: ReduceScatter | None = None
     group: dist.ProcessGroup | None = None
+    bucket_bytes: int | None = None

@@ -1,39 +1,20 @@
-"""The state layer: per-``fully_shard`` hooks (``FSDPState``) and what one root shares with
-every state under it (``StepContext``: the step's phase and order, the reduction queue,
-the final callback). Groups below it do storage and collectives when told; scheduling,
-step bookkeeping and the queue of reductions in flight live here.
-
-# [Note: one step]
-# pre-forward:   unshard this group (issue all-gather), prefetch the group that
-#                ran next last step (issue only), then wait for ours; register
-#                a post-backward node on the inputs that require grad.
-# post-forward:  reshard per reshard_after_forward; hook the outputs so the
-#                group unshards again when their gradient arrives.
-# pre-backward:  unshard (if resharded), prefetch the group that comes next in
-#                reverse post-forward order, wait.
-# post-backward: fires when every post-backward node registered this step has
-#                run, i.e. all of the group's backward is done: the group starts
-#                its reduce-scatter and returns the reduction, queued here (older
-#                ones are pushed a stage on, so about one is in flight), reshard.
-# final callback (queued on the autograd engine by the first pre-backward):
-#                reduce what no post-backward reduced (unused inputs, params
-#                whose grads came late), finish every reduction, reshard, reset.
+"""The state layer: per-``fully_shard`` hooks (``FSDPState``). What one root shares with
+every state under it (``StepContext``: the step's phase and order, all-gathers and
+reductions, the final callback) is in _step.py; see [Note: one step] there. Groups below
+do storage and collectives when told; scheduling and step bookkeeping live here.
 """
 
 from __future__ import annotations
 
-import enum
-from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn as nn
-from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from ._param_group import ParamGroup, Sharded
-from ._reduce import Reduction
+from ._param_group import ParamGroup
+from ._step import LEGAL_MOVES, StepContext, StepPhase, TrainingState, gathers_in_backward
 from ._tree_checks import check_materialized, validate_tree
 from .api import MixedPrecisionPolicy
 
@@ -51,164 +32,6 @@ STATE_ATTR = "_fsdp2_state"
 
 def state_of(module: nn.Module) -> FSDPState | None:
     return module.__dict__.get(STATE_ATTR)
-
-
-class StepPhase(enum.Enum):
-    """Where a root's step is."""
-
-    IDLE = "idle"  # between steps, or after a forward whose backward has not begun
-    FORWARD = "forward"  # inside the root's forward
-    BACKWARD = "backward"  # from the first pre-backward hook to the final callback
-
-
-class TrainingState(enum.Enum):
-    """Where one ``fully_shard`` state is in the step."""
-
-    IDLE = "idle"
-    FORWARD = "forward"  # between its pre- and post-forward
-    PRE_BACKWARD = "pre-backward"  # its gradients are being computed (gathered for it)
-    POST_BACKWARD = "post-backward"  # its gradients were handed to reduction this step
-
-
-_T = TrainingState
-_LEGAL: dict[TrainingState, frozenset[TrainingState]] = {
-    _T.IDLE: frozenset({_T.FORWARD, _T.PRE_BACKWARD, _T.POST_BACKWARD}),
-    # a call whose backward starts before the root's forward ends: fully_shard([a, b])
-    # with only ``a`` run, or outputs used inside the forward
-    _T.FORWARD: frozenset({_T.IDLE, _T.FORWARD, _T.PRE_BACKWARD, _T.POST_BACKWARD}),
-    # a module used several times: gathered again after an earlier call's reduction
-    _T.PRE_BACKWARD: frozenset({_T.PRE_BACKWARD, _T.POST_BACKWARD, _T.IDLE}),
-    _T.POST_BACKWARD: frozenset({_T.PRE_BACKWARD, _T.POST_BACKWARD, _T.IDLE}),
-}
-
-
-class StepContext:
-    """What all states under one root share."""
-
-    def __init__(self, states: list[FSDPState]) -> None:
-        self.states = states
-        self.with_group = [s for s in states if s.group is not None]
-        self.phase = StepPhase.IDLE
-        self.fwd_order: list[FSDPState] = []
-        self.post_fwd_order: list[FSDPState] = []
-        self.reductions: deque[Reduction] = deque()
-        self.pending_d2h = False
-
-    # ---- reductions ------------------------------------------------------------
-
-    def add_reduction(self, reduction: Reduction) -> None:
-        """Queue a reduction and push every older one but the newest
-        ``max_inflight`` a stage on (wait its reduce-scatter, start its HSDP
-        all-reduce, or land its gradients): gradients land as early as they
-        can while few groups' gradient buffers are alive."""
-        q = self.reductions
-        q.append(reduction)
-        for old in list(q)[: -reduction.group.reduce.max_inflight]:
-            if self._advance(old):
-                q.remove(old)
-
-    def _advance(self, reduction: Reduction) -> bool:
-        done = reduction.advance()
-        if done and reduction.host_copy:
-            self.pending_d2h = True  # synchronized by the final callback
-        return done
-
-    def drain_reductions(self) -> None:
-        q = self.reductions
-        while q:
-            if self._advance(q[0]):
-                q.popleft()
-
-    # ---- step boundaries -------------------------------------------------------
-
-    def begin_forward(self) -> None:
-        """The root's forward starts. From FORWARD too: a forward that raised (or a
-        root forward nested in a registered method) just starts over."""
-        self.phase = StepPhase.FORWARD
-        self.fwd_order = []
-        self.post_fwd_order = []
-        for st in self.with_group:
-            g = st.group
-            assert g is not None
-            if g.sharded_state is Sharded.SMALL:  # its backward never came: may be stale
-                g.reshard()
-            if g.sharded_state is Sharded.SHARDED:
-                g.adopt_patched_hooks()  # all-gather hooks given to local tensors since
-
-    def end_forward(self) -> None:
-        """The root's forward ends: link each state to the one that ran after it (next
-        step's implicit forward prefetch) and cancel all-gathers prefetched for groups
-        that did not run."""
-        self.phase = StepPhase.IDLE
-        order = self.fwd_order
-        seen: set[int] = set()
-        for i, st in enumerate(order):
-            if id(st) in seen:
-                continue
-            seen.add(id(st))
-            st.fwd_next = [order[i + 1]] if i + 1 < len(order) else []
-        for st in self.with_group:
-            assert st.group is not None
-            if st.group.has_pending_unshard():
-                st.group.reshard()
-
-    def begin_backward(self) -> None:
-        if self.phase is StepPhase.FORWARD:
-            raise RuntimeError(
-                "fsdp2: a backward reached sharded modules while the root's forward was "
-                "still running (e.g. torch.autograd.grad inside forward); fsdp2 reduces "
-                "gradients once per backward of a finished forward and cannot do that"
-            )
-        self.phase = StepPhase.BACKWARD
-        order = self.post_fwd_order
-        for i, st in enumerate(order):  # later occurrences win: backward runs them first
-            st.bwd_next = [order[i - 1]] if i > 0 else []
-        Variable._execution_engine.queue_callback(self.finish_backward)
-
-    def check_recompute(self, name: str) -> None:
-        """A forward during the BACKWARD phase must be an activation-checkpoint
-        recompute, inside the backward; otherwise the last backward never finished."""
-        if torch._C._current_graph_task_id() == -1:
-            raise RuntimeError(
-                f"fsdp2: forward of {name} started while the previous backward never "
-                "finished (it raised, so its gradients were not reduced). Call "
-                "reset_iter_state() on the root module after catching the exception, "
-                "then run the step again"
-            )
-
-    def reset(self) -> None:
-        """Recover from an exception mid-step (``reset_iter_state``)."""
-        for r in self.reductions:
-            r.pending.wait()
-        self.reductions.clear()
-        for st in self.with_group:
-            assert st.group is not None
-            st.group.reshard()
-            st.group.discard_grads()
-            st.end_step()
-        self.phase = StepPhase.IDLE
-        self.fwd_order = []
-        self.post_fwd_order = []
-
-    def finish_backward(self) -> None:
-        """The root's final callback: see [Note: one step]."""
-        for st in self.with_group:
-            assert st.group is not None
-            if st.group.has_unreduced_grads():  # reduce, or (no sync) accumulate
-                st.post_backward()
-        self.drain_reductions()
-        if self.pending_d2h:  # offloaded grads copied asynchronously into pinned memory
-            torch.accelerator.synchronize()
-            self.pending_d2h = False
-        for st in self.with_group:
-            assert st.group is not None
-            if st.group.gather.reshard_after_backward:
-                st.group.reshard()
-            st.end_step()
-        self.phase = StepPhase.IDLE
-        for st in self.states:
-            for callback in st.backward_end_callbacks:
-                callback()
 
 
 class _PostBackward(torch.autograd.Function):
@@ -272,7 +95,7 @@ class FSDPState:
 
     def _to(self, new: TrainingState, event: str) -> None:
         old = self.training_state
-        if new not in _LEGAL[old]:
+        if new not in LEGAL_MOVES[old]:
             name = self.group.name if self.group is not None else type(self.modules[0]).__name__
             raise RuntimeError(
                 f"fsdp2: {event} of fully_shard({name}) while it is in {old.value}; this "
@@ -339,10 +162,10 @@ class FSDPState:
             else:
                 self._to(TrainingState.FORWARD, "forward")
                 ctx.fwd_order.append(self)
-                g.unshard()
+                ctx.unshard(self, backward=False)
                 for nxt in self.fwd_prefetch if self.fwd_prefetch is not None else self.fwd_next:
                     if nxt.group is not None:
-                        nxt.group.unshard()
+                        ctx.unshard(nxt, backward=False)
                 g.wait_for_unshard()
                 if torch.is_grad_enabled():
                     args, kwargs = self._register_post_backward(args, kwargs)
@@ -441,18 +264,10 @@ class FSDPState:
         # Even after this group's post-backward (e.g. an earlier call whose
         # inputs needed no grad registered no post-backward node): gather again;
         # the final callback reduces what arrives afterwards.
-        g.unshard()
+        ctx.unshard(self, backward=True)
         for nxt in self.bwd_prefetch if self.bwd_prefetch is not None else self.bwd_next:
-            # A group with no trainable params whose inputs needed no grad has
-            # no backward at all: do not gather it.
-            ng = nxt.group
-            if (
-                ng is not None
-                and nxt.training_state is not TrainingState.POST_BACKWARD
-                and ng.gather.unshard_in_backward
-                and (ng.grad_params or nxt.post_backward_pending)
-            ):
-                ng.unshard()
+            if gathers_in_backward(nxt):
+                ctx.unshard(nxt, backward=True)
         g.wait_for_unshard()
 
     def _post_backward_node_done(self) -> None:
@@ -471,6 +286,6 @@ class FSDPState:
         """Hand the group's gradients to reduction (queued on the step) and reshard."""
         assert self.group is not None and self.ctx is not None
         self._to(TrainingState.POST_BACKWARD, "post-backward")
-        reduction = self.group.post_backward()
-        if reduction is not None:
-            self.ctx.add_reduction(reduction)
+        part = self.group.post_backward()
+        if part is not None:
+            self.ctx.add_part(part)
