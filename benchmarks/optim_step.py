@@ -95,6 +95,7 @@ def worker(rank: int, args: argparse.Namespace) -> None:
         print("| --- | ---: | ---: |")
         for i, impl in enumerate(IMPLS):
             print(f"| {impl} | {med[i] * 1e3:.2f} | {med[i] / med[0]:.2f}x |")
+    dist.barrier()
     dist.destroy_process_group()
 
 
