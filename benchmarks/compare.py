@@ -132,7 +132,13 @@ def worker(rank: int, args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=args.world_size)
     torch.set_num_threads(args.threads)
     mesh = init_device_mesh("cpu", (args.world_size,))
-    cfg = LlamaConfig(dim=args.dim, n_layers=args.layers, n_heads=args.heads, max_seq_len=args.seq)
+    cfg = LlamaConfig(
+        vocab_size=args.vocab,
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        max_seq_len=args.seq,
+    )
     impls = args.impls.split(",")
     models, optims = {}, {}
     for impl in impls:
@@ -225,6 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8, help="sequences per rank")
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=6)

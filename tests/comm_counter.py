@@ -3,7 +3,11 @@
 ``CommCounter`` wraps ``torch.distributed``'s ``all_gather_single``, ``all_gather_into_tensor``,
 ``reduce_scatter_single``, ``reduce_scatter_tensor`` and ``all_reduce`` (patched on the module
 for the ``with`` block only, then restored) and records each call's kind, group size and input
-numel as a ``Call``. Tests may interleave marker strings (``mark``, ``mark_computes``) to record
+numel as a ``Call``. On gloo fsdp2 reduce-scatters by an in-place all-reduce of the same
+input ([Note: gloo reduce-scatter] in fsdp2/_collectives.py); ``is_fsdp2_reduce_scatter``
+tells that all-reduce from others, and the counter records it as ``"RS"`` (with ``api``
+``"all_reduce"``). ``spy_reduce_scatters`` shows a test every reduce-scatter either way.
+Tests may interleave marker strings (``mark``, ``mark_computes``) to record
 when a module computes relative to the collectives. DTensor's ``full_tensor()`` (functional
 collectives) and ``models.full_params`` / ``full_grads`` bypass these patches: tests may check
 full gradients inside a counted region.
@@ -14,8 +18,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 from unittest import mock
@@ -24,7 +29,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["Call", "CommCounter", "count_calls", "prefetch_order", "shard_numel"]
+from fsdp2 import _collectives as fsdp2_collectives
+
+__all__ = [
+    "Call",
+    "CommCounter",
+    "count_calls",
+    "is_fsdp2_reduce_scatter",
+    "prefetch_order",
+    "shard_numel",
+    "spy_reduce_scatters",
+]
 
 _KINDS = {
     "all_gather_single": "AG",
@@ -102,10 +117,50 @@ class CommCounter(contextlib.AbstractContextManager):
             tensor = next(bound[k] for k in _INPUT_ARG if k in bound)
             live = group is None or group in dist.distributed_c10d._world.pg_map
             size = dist.get_world_size() if group is None else group.size()
-            self.events.append(Call(_KINDS[api], api, size, tensor.numel(), self.phase, live))
+            kind = "RS" if api == "all_reduce" and is_fsdp2_reduce_scatter() else _KINDS[api]
+            self.events.append(Call(kind, api, size, tensor.numel(), self.phase, live))
             return orig(*args, **kwargs)
 
         return counted
+
+
+_RS_BY_AR = fsdp2_collectives._reduce_scatter_by_all_reduce.__code__
+
+
+def is_fsdp2_reduce_scatter(depth: int = 6) -> bool:
+    """Whether the ``dist.all_reduce`` being called (from a patch wrapper, up to ``depth``
+    frames down) is fsdp2's reduce-scatter on gloo."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code is _RS_BY_AR:
+            return True
+        frame = frame.f_back
+    return False
+
+
+@contextlib.contextmanager
+def spy_reduce_scatters(
+    record: Callable[[torch.Tensor, Any, dist.ProcessGroup | None], None],
+) -> Iterator[None]:
+    """Call ``record(input, op, group)`` for every reduce-scatter issued in the block:
+    ``dist.reduce_scatter_single`` (torch's FSDP2, fsdp2 off gloo) and fsdp2's all-reduce
+    standing in for it on gloo."""
+    rs, ar = dist.reduce_scatter_single, dist.all_reduce
+
+    def spy_rs(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):  # type: ignore[no-untyped-def]
+        record(input, op, group)
+        return rs(output, input, op=op, group=group, async_op=async_op)
+
+    def spy_ar(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):  # type: ignore[no-untyped-def]
+        if is_fsdp2_reduce_scatter():
+            record(tensor, op, group)
+        return ar(tensor, op=op, group=group, async_op=async_op)
+
+    with mock.patch.object(dist, "reduce_scatter_single", spy_rs):
+        with mock.patch.object(dist, "all_reduce", spy_ar):
+            yield
 
 
 def count_calls(calls: Sequence[Call], *fields: str) -> dict[tuple[Any, ...], int]:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from _harness import run_on_ranks
+from comm_counter import spy_reduce_scatters
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp2 import fully_shard
@@ -38,22 +39,18 @@ def _train(separate: bool, option: str) -> list[torch.Tensor]:
         model.set_symm_mem_for_comm()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     groups = {"ag": set(), "rs": set()}
-    ag, rs = dist.all_gather_single, dist.reduce_scatter_single
+    ag = dist.all_gather_single
 
     def spy_ag(*a, **k):  # type: ignore[no-untyped-def]
         groups["ag"].add(id(k["group"]))
         return ag(*a, **k)
-
-    def spy_rs(*a, **k):  # type: ignore[no-untyped-def]
-        groups["rs"].add(id(k["group"]))
-        return rs(*a, **k)
 
     for step in range(3):
         torch.manual_seed(step)
         x = torch.randn(4 * ws, 6)[rank * 4 : (rank + 1) * 4]
         with (
             mock.patch.object(dist, "all_gather_single", spy_ag),
-            mock.patch.object(dist, "reduce_scatter_single", spy_rs),
+            spy_reduce_scatters(lambda t, op, group: groups["rs"].add(id(group))),
         ):
             model(x).pow(2).mean().backward()
         opt.step()

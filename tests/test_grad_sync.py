@@ -25,12 +25,11 @@ import contextlib
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch.distributed as dist
 from _harness import run_on_ranks
-from comm_counter import CommCounter, count_calls
+from comm_counter import CommCounter, count_calls, spy_reduce_scatters
 from helpers import (
     ENGINES,
     assert_all_dtensors,
@@ -250,15 +249,9 @@ def test_reduce_scatter_divide_factor_alias_warns(world_size: int) -> None:
 
 @contextlib.contextmanager
 def _reduce_scatter_ops() -> Iterator[list[Any]]:
-    """Record the ``op`` of every ``dist.reduce_scatter_single`` call in the block."""
+    """Record the ``op`` of every reduce-scatter in the block (``spy_reduce_scatters``)."""
     ops: list[Any] = []
-    orig = dist.reduce_scatter_single
-
-    def recorded(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        ops.append(op)
-        return orig(output, input, op=op, group=group, async_op=async_op)
-
-    with mock.patch.object(dist, "reduce_scatter_single", recorded):
+    with spy_reduce_scatters(lambda t, op, group: ops.append(op)):
         yield ops
 
 

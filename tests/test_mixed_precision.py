@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from _harness import run_on_ranks
+from comm_counter import spy_reduce_scatters
 from helpers import check_same, world_mesh
 from models import MLPBlock, build, full_grads, full_params, make_batch, mean_over_ranks, rank_slice
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
@@ -496,7 +497,7 @@ def _same_as_none(model_name: str) -> dict:
             for key, model in models.items():
                 model.set_requires_gradient_sync(micro == 1)
                 record = rs_dtypes[key].add
-                with _recording("reduce_scatter_single", lambda t, rec=record: rec(t.dtype)):
+                with spy_reduce_scatters(lambda t, op, g, rec=record: rec(t.dtype)):
                     loss = _loss(model, model_name, xs, ys)
                     loss.backward()
                 seen[key][f"loss {micro}"] = loss.detach()
@@ -569,7 +570,7 @@ def _comm_bytes(model_name: str) -> dict[str, dict[str, int]]:
             counts[f"{prefix}_calls"] += 1
 
         with _recording("all_gather_single", lambda t: count("ag", t)):
-            with _recording("reduce_scatter_single", lambda t: count("rs", t)):
+            with spy_reduce_scatters(lambda t, op, g: count("rs", t)):
                 _loss(model, model_name, xs, ys).backward()
         result[name] = counts
     return result
