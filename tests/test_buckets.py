@@ -7,7 +7,7 @@ all-gathered in one collective and reduced in one reduce-scatter, within a byte 
   budgets that bucket everything, about two groups, or nothing, for MLP / transformer /
   residual models; with ``reshard_after_forward=False`` and ``=2`` (4 ranks, those groups
   gather alone), bf16 mixed precision, HSDP 2x2, CPU offload, explicit prefetch lists, and
-  gradient accumulation without sync.
+  gradient accumulation without sync; and FSDP + TP on a (2, 2) mesh (both TP plans).
 * Counts: ``MLPStack`` with a head (4 groups) on 2 ranks, budget large: after the first step
   each step issues 1 all-gather in forward, 1 in backward and 1 reduce-scatter, where the
   default issues 4, 3 and 4; no collective's unsharded output (all-gather) or input
@@ -36,6 +36,7 @@ from helpers import (
     world_mesh,
 )
 from models import build, local_loss, make_batch, shard_model
+from tp_models import build_tp_model, dp_rank_and_size, make_meshes, parallelize, tp_batch, tp_loss
 
 import fsdp2
 
@@ -154,6 +155,25 @@ def _case(case: str) -> None:
 )
 def test_settings(case: str, world_size: int) -> None:
     run_on_ranks(world_size, _case, case)
+
+
+def _tensor_parallel(plan: str) -> None:
+    """FSDP + TP on a (2, 2) mesh: groups of TP-sharded parameters share buckets."""
+    mesh, dp_mesh, tp_mesh = make_meshes("fsdp2x2")
+    ref = build_tp_model()
+    models = {
+        engine: shard_model(parallelize(build_tp_model(), tp_mesh, plan), fn, dp_mesh)
+        for engine, fn in ENGINES.items()
+    }
+    models["fsdp2"].set_bucket_bytes(ALL)
+    train_and_compare(
+        ref, models, batch=tp_batch, loss=tp_loss, data_parallel=dp_rank_and_size(mesh)
+    )
+
+
+@pytest.mark.parametrize("plan", ["tp", "tp_sp"])
+def test_tensor_parallel(plan: str) -> None:
+    run_on_ranks(4, _tensor_parallel, plan)
 
 
 def _counts() -> None:
