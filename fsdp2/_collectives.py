@@ -148,7 +148,7 @@ def reduce_scatter(
 # bitwise what the reduce-scatter returns (tests/test_gloo_reduce.py holds that at 2 and
 # 4 ranks, SUM and AVG). So on gloo we all-reduce the packed input in place and copy
 # this rank's row out once it is done (the copy lets the packed buffer go: gradients must
-# not keep every rank's rows alive). On the Llama of docs/benchmarks.md that is 0.78x
+# not keep every rank's rows alive). On the Llama of docs/benchmarks.md that is 0.78-0.93x
 # torch's FSDP2 step instead of 0.90-0.95x. Custom reduce-scatters
 # (``set_custom_reduce_scatter``) are called as they are.
 

@@ -444,16 +444,16 @@ class ParamGroup:
     def post_backward(self) -> R.Part | None:
         """Take the gradients computed so far for reduction (the caller issues the
         reduce-scatter, alone or bucketed, and advances it) and reshard."""
-        reduction = None
+        part = None
         if self.reduce.sync:
-            reduction = R.take_grads(self)
+            part = R.take_grads(self)
         elif self.reduce_dtype is not None:
             R.accumulate_in_reduce_dtype(self)
         if self.gather.reshard_after_backward:
             self.reshard()
         elif self.sharded_state is Sharded.SMALL:
             self._drop_small()
-        return reduction
+        return part
 
     def has_unreduced_grads(self) -> bool:
         return R.has_unreduced_grads(self)

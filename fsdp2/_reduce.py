@@ -6,7 +6,7 @@ issues ONE reduce-scatter and returns a ``Reduction``: the state layer queues it
 advances it stage by stage (reduce-scatter, then for HSDP the all-reduce, then landing),
 so a group never waits on its own reduction and never calls up into the state layer.
 Several parts share a reduce-scatter when their groups are bucketed
-(``FSDPModule.set_bucket_bytes``, see [Note: buckets] in _state.py).
+(``FSDPModule.set_bucket_bytes``, see [Note: buckets] in _step.py).
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ all-gathers it starts (alone or bucketed), the reductions in flight and the fina
 # pre-backward:  unshard (if resharded), prefetch the group that comes next in
 #                reverse post-forward order, wait.
 # post-backward: fires when every post-backward node registered this step has
-#                run, i.e. all of the group's backward is done: the group starts
-#                its reduce-scatter and returns the reduction, queued here (older
-#                ones are pushed a stage on, so about one is in flight), reshard.
+#                run, i.e. all of the group's backward is done: the group hands
+#                over its gradients (a ``Part``) and reshards; here they are
+#                reduce-scattered, alone or bucketed, and the reduction queued
+#                (older ones are pushed a stage on, so about one is in flight).
 # final callback (queued on the autograd engine by the first pre-backward):
 #                reduce what no post-backward reduced (unused inputs, params
 #                whose grads came late), finish every reduction, reshard, reset.
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd import Variable
@@ -89,7 +90,11 @@ class StepContext:
         self.post_fwd_order: list[FSDPState] = []
         self.reductions: deque[Reduction] = deque()
         self.pending_d2h = False
-        self.parts: list[R.Part] = []  # gradients waiting for a bucketed reduce-scatter
+        # gradients waiting for a bucketed reduce-scatter: their groups' common key and
+        # budget, their packed bytes so far
+        self.parts: list[R.Part] = []
+        self.parts_key: tuple[Any, ...] | None = None
+        self.parts_budget = 0
         self.parts_bytes = 0
 
     # ---- all-gathers -----------------------------------------------------------
@@ -153,20 +158,19 @@ class StepContext:
         """Reduce a group's gradients: at once, or in a bucket with the next groups'
         (flushed when full, when a group of other settings comes, and at the end of
         backward)."""
-        budget = part.group.reduce.bucket_bytes
-        key = R.bucket_key(part.group)
+        key = R.bucket_key(part.group)  # not None: the group has a budget
         if self.parts and (
-            key is None
-            or key != R.bucket_key(self.parts[0].group)
-            or self.parts_bytes + part.nbytes > self.parts[0].group.reduce.bucket_bytes  # type: ignore[operator]
+            key != self.parts_key or self.parts_bytes + part.nbytes > self.parts_budget
         ):
             self.flush_parts()
-        if key is None or budget is None:
+        if key is None:
             self.add_reduction(R.reduce([part]))
             return
+        if not self.parts:
+            self.parts_key, self.parts_budget = key, part.group.reduce.bucket_bytes or 0
         self.parts.append(part)
         self.parts_bytes += part.nbytes
-        if self.parts_bytes >= budget:
+        if self.parts_bytes >= self.parts_budget:
             self.flush_parts()
 
     def flush_parts(self) -> None:
