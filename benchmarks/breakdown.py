@@ -117,9 +117,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from compare import build, wrap  # noqa: E402
-
-from fsdp2.models import LlamaConfig  # noqa: E402
+from compare import build, llama_config, wrap  # noqa: E402
 
 IMPLS = ("fsdp2", "torch_fsdp2", "ddp", "single")
 CATS = (
@@ -408,13 +406,7 @@ def worker(rank: int, args: argparse.Namespace) -> None:
     impls = args.impls.split(",")
     patch_engines(impls)
     mesh = init_device_mesh("cpu", (args.world_size,))
-    cfg = LlamaConfig(
-        vocab_size=args.vocab,
-        dim=args.dim,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        max_seq_len=args.seq,
-    )
+    cfg = llama_config(args)
     wrap_args = argparse.Namespace(dtype="fp32", reshard=args.reshard, offload=False, float8=False)
     models: dict[str, nn.Module] = {}
     optims: dict[str, torch.optim.Optimizer] = {}

@@ -80,6 +80,17 @@ def all_gather_bytes(fn) -> int:  # type: ignore[no-untyped-def]
     return sent[0]
 
 
+def llama_config(args: argparse.Namespace) -> LlamaConfig:
+    """The model shape from the command line (``--vocab --dim --layers --heads --seq``)."""
+    return LlamaConfig(
+        vocab_size=args.vocab,
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        max_seq_len=args.seq,
+    )
+
+
 def wrap(impl: str, model: nn.Module, mesh, args) -> nn.Module:  # type: ignore[no-untyped-def]
     bf16 = args.dtype == "bf16"
     if impl in ("fsdp2", "torch_fsdp2"):
@@ -132,13 +143,7 @@ def worker(rank: int, args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=args.world_size)
     torch.set_num_threads(args.threads)
     mesh = init_device_mesh("cpu", (args.world_size,))
-    cfg = LlamaConfig(
-        vocab_size=args.vocab,
-        dim=args.dim,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        max_seq_len=args.seq,
-    )
+    cfg = llama_config(args)
     impls = args.impls.split(",")
     models, optims = {}, {}
     for impl in impls:
