@@ -1,7 +1,7 @@
 """fsdp2: fully sharded data parallel training for PyTorch, API-compatible
 with torch's FSDP2 ``fully_shard`` (torch 2.13)."""
 
-from . import optim
+from . import checkpoint, optim
 from .api import (
     AllGather,
     Comm,
@@ -30,6 +30,7 @@ __all__ = [
     "OffloadPolicy",
     "ReduceScatter",
     "UnshardHandle",
+    "checkpoint",
     "clip_grad_norm_",
     "fully_shard",
     "optim",
