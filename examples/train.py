@@ -11,6 +11,12 @@ All ranks draw the same global batch from one seeded generator and each trains o
 so a run is reproducible from its seed, and a run resumed from a checkpoint (model, optimizer,
 step and the generator's state, saved with ``torch.distributed.checkpoint``) repeats the loss
 curve of an uninterrupted one exactly.
+
+``--init-from PATH`` starts from a full safetensors (or ``torch.save``) checkpoint instead of a
+random init: the model is built on the meta device, sharded, and each rank reads only its own
+shards (``fsdp2.checkpoint.load_full_checkpoint``). ``--export PATH`` writes the trained model
+as a Hugging Face-style safetensors checkpoint at the end (``save_full_checkpoint``), which
+``--init-from`` reads back.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from fsdp2 import MixedPrecisionPolicy, fully_shard
+from fsdp2.checkpoint import load_full_checkpoint, save_full_checkpoint
 from fsdp2.models import Llama, LlamaConfig
 from fsdp2.optim import step_on_local_shards
 
@@ -112,6 +119,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, _Parser]:
     add("--checkpoint-dir", help="default: OUT_DIR/checkpoints")
     add("--save-every", type=_non_negative, default=50, help="also at the end; 0: only then (50)")
     add("--resume", nargs="?", const="latest", help="from the latest or the given step_* dir")
+    add("--init-from", help="start from a full safetensors/torch checkpoint (e.g. an --export)")
+    add("--export", help="write the final model as safetensors to this directory")
     add("--plot", help="loss-curve PNG (default: OUT_DIR/loss.png; 'none': no plot)")
     args = p.parse_args(argv)
     if args.dim % args.heads or (args.dim // args.heads) % 2:
@@ -124,6 +133,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, _Parser]:
     args.warmup = args.steps // 10 if args.warmup is None else args.warmup
     if args.warmup >= args.steps:
         p.error(f"--warmup {args.warmup} must be smaller than --steps {args.steps}")
+    if args.init_from and args.resume:
+        p.error("--init-from and --resume are exclusive (a resumed run has its own weights)")
     args.checkpoint_dir = args.checkpoint_dir or os.path.join(args.out_dir, "checkpoints")
     args.plot = os.path.join(args.out_dir, "loss.png") if args.plot is None else args.plot
     return args, p
@@ -203,15 +214,21 @@ def build_mesh(args: argparse.Namespace, device: torch.device, parser: _Parser) 
     return init_device_mesh(device.type, shape, mesh_dim_names=names)
 
 
-def build_model(args: argparse.Namespace, mesh: DeviceMesh) -> Llama:
+def build_model(args: argparse.Namespace, mesh: DeviceMesh, parser: _Parser) -> Llama:
     """A seeded Llama with every block and then the root sharded by ``fully_shard``.
 
     It is built unsharded on CPU, so its initial weights do not depend on the mesh; a model
     too big for that would be built on the meta device, then ``to_empty`` + ``init_weights``.
+    With ``--init-from`` it is built on the meta device and loaded shard by shard.
     """
     torch.manual_seed(args.seed)
     shape = {"dim": args.dim, "n_layers": args.layers, "n_heads": args.heads}
-    model = Llama(LlamaConfig(**shape, max_seq_len=args.seq_len))
+    cfg = LlamaConfig(**shape, max_seq_len=args.seq_len)
+    if args.init_from:
+        with torch.device("meta"):
+            model = Llama(cfg)
+    else:
+        model = Llama(cfg)
     mp = MixedPrecisionPolicy()
     if args.dtype == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -219,6 +236,13 @@ def build_model(args: argparse.Namespace, mesh: DeviceMesh) -> Llama:
     for block in model.layers:
         fully_shard(block, mesh=mesh, reshard_after_forward=raf, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)  # the root keeps its default (no reshard)
+    if args.init_from:
+        model.rope = model._rope(mesh.device_type)  # a non-persistent buffer: in no checkpoint
+        try:
+            load_full_checkpoint(model, args.init_from)  # materialises the shards, then loads
+        except (FileNotFoundError, ValueError, RuntimeError) as e:
+            hint = "pass the saving run's --dim, --layers and --heads"
+            parser.error(f"--init-from {args.init_from}: {e}; {hint}")
     return model
 
 
@@ -388,7 +412,7 @@ def train(args: argparse.Namespace, parser: _Parser, device: torch.device) -> di
     if min(len(train_data), len(val_data)) <= args.seq_len:
         parser.error(f"--data has {len(data)} bytes: too few for --seq-len {args.seq_len}")
     mesh = build_mesh(args, device, parser)
-    model = build_model(args, mesh)
+    model = build_model(args, mesh, parser)
     optim = build_optimizer(model, args)
     gen = torch.Generator().manual_seed(args.seed)  # the same global batches on every rank
     start, history = 0, {"train": [], "val": []}
@@ -425,6 +449,8 @@ def train(args: argparse.Namespace, parser: _Parser, device: torch.device) -> di
         if step == args.steps or (args.save_every and step % args.save_every == 0):
             ckpt_path = os.path.join(args.checkpoint_dir, f"step_{step:06d}")
             dcp.save(checkpoint_state(model, optim, step, gen, history), checkpoint_id=ckpt_path)
+    if args.export:
+        save_full_checkpoint(model, args.export)
 
     summary = {
         "steps": args.steps,
@@ -434,6 +460,7 @@ def train(args: argparse.Namespace, parser: _Parser, device: torch.device) -> di
         "train_loss": history["train"][-1],
         "val_loss": history["val"][-1][1],
         "checkpoint": ckpt_path,
+        "export": args.export,
         "history": history,
     }
     if rank == 0:
@@ -447,7 +474,9 @@ def train(args: argparse.Namespace, parser: _Parser, device: torch.device) -> di
             f"done: {args.steps - start} steps in {summary['wall_s']:.1f} s, "
             f"{summary['tokens_per_s']:,.0f} tok/s; loss {history['train'][0]:.4f} -> "
             f"{summary['train_loss']:.4f} (train), {summary['val_loss']:.4f} (val)\n"
-            f"checkpoint: {ckpt_path}\n{plotted}",
+            f"checkpoint: {ckpt_path}\n"
+            + (f"exported: {args.export}\n" if args.export else "")
+            + plotted,
             flush=True,
         )
     return summary

@@ -4,10 +4,13 @@ safetensors file out one tensor at a time.
 
 # [Note: reading boxes]
 # A rank needs only its shard of each tensor: a box (a start and a length per dimension)
-# of the full tensor. safetensors memory-maps the file and ``get_slice(name)[box]``
-# copies just that box; ``torch.load(mmap=True)`` gives tensors backed by the mapped file,
-# so indexing the box and copying it into the shard touches only those bytes' pages. No
-# full tensor is materialised unless the caller asks for one (a box of ``None``).
+# of the full tensor. In a safetensors file a tensor is row-major at a known offset, so a
+# box is a set of contiguous byte runs (one run for a dim-0 shard, one per row for a
+# Shard(1) one), read with ``readinto`` straight into the shard's memory when dtypes
+# match: no copy, no mapping. (A memory map would count every page touched in the
+# process's RSS, up to the whole file.) ``torch.load(mmap=True)`` files are mapped: the
+# box is indexed and copied, touching only its pages. No full tensor is materialised
+# unless the caller asks for one (a box of ``None``).
 
 # [Note: streamed safetensors]
 # A safetensors file is an 8-byte little-endian header length, a JSON header (name ->
@@ -19,6 +22,7 @@ safetensors file out one tensor at a time.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import struct
@@ -26,6 +30,8 @@ from collections.abc import Iterator
 from typing import IO, Any, NamedTuple
 
 import torch
+
+from ._storage import contiguous_stride as _contiguous_stride
 
 __all__ = ["Entry", "Source", "StreamWriter", "open_source", "st_dtype"]
 
@@ -84,41 +90,42 @@ class Source:
 
     def __init__(self) -> None:
         self.entries: dict[str, Entry] = {}
-        self._st: dict[str, Any] = {}  # file -> safe_open handle
+        self._raw: dict[str, IO[bytes]] = {}  # safetensors file -> unbuffered reader
+        self._offsets: dict[str, int] = {}  # safetensors tensor -> its first byte in its file
         self._pt: dict[str, dict[str, torch.Tensor]] = {}  # file -> mmapped state dict
 
     def __enter__(self) -> Source:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for handle in self._st.values():
-            handle.__exit__(None, None, None)
-        self._st.clear()
+        for raw in self._raw.values():
+            raw.close()
+        self._raw.clear()
         self._pt.clear()
 
     def add_safetensors(self, file: str, names: list[str] | None = None) -> None:
-        """Index ``file``'s tensors (all, or ``names``: an index file's list for it)."""
+        """Index ``file``'s tensors (all, or ``names``: an index file's list for it).
+        safetensors validates the file; reads then use plain ``readinto`` at each
+        tensor's offset (see [Note: reading boxes])."""
         from safetensors import safe_open
 
         if not os.path.isfile(file):
             raise FileNotFoundError(f"checkpoint file {file} does not exist")
         try:
-            handle = safe_open(file, framework="pt", device="cpu")
-            handle.__enter__()
-            keys = set(handle.keys())
+            with safe_open(file, framework="pt", device="cpu") as handle:
+                keys = set(handle.keys())
+            layout = _safetensors_layout(file)
         except Exception as e:
             raise ValueError(f"{file}: not a readable safetensors file: {e}") from e
-        self._st[file] = handle  # closed by __exit__ from here on
-        shapes = {}
+        self._raw[file] = open(file, "rb", buffering=0)  # noqa: SIM115 (closed in __exit__)
         for name in names if names is not None else sorted(keys):
             if name not in keys:
                 raise ValueError(f"{file}: the index lists tensor {name!r} in it, which it lacks")
-            piece = handle.get_slice(name)
-            shapes[name] = (torch.Size(piece.get_shape()), piece.get_dtype())
-        for name, (shape, dtype_name) in shapes.items():
+            offset, shape, dtype_name = layout[name]
             if dtype_name not in _ST_DTYPES:
                 raise ValueError(f"{file}: tensor {name!r} has unsupported dtype {dtype_name}")
             self._add(name, Entry(file, shape, _ST_DTYPES[dtype_name]))
+            self._offsets[name] = offset
 
     def add_torch(self, file: str, names: list[str] | None = None) -> None:
         """Index a ``torch.save`` file of a flat ``{name: tensor}`` dict (memory-mapped)."""
@@ -154,17 +161,65 @@ class Source:
             )
         self.entries[name] = entry
 
-    def read(self, name: str, box: Box) -> torch.Tensor:
-        file = self.entries[name].file
-        if file in self._st:
-            handle = self._st[file]
-            if box is None or not box:
-                out: torch.Tensor = handle.get_tensor(name)
-                return out
-            piece: torch.Tensor = handle.get_slice(name)[box]
-            return piece
-        tensor = self._pt[file][name]
-        return tensor if box is None or not box else tensor[box]
+    def read(self, name: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The ``box`` of tensor ``name`` (all of it for ``None``), read into ``out`` when
+        ``out`` is a contiguous CPU tensor of the right shape and dtype, else into a new
+        tensor; returns what it read into."""
+        entry = self.entries[name]
+        if entry.file not in self._raw:
+            tensor = self._pt[entry.file][name]
+            return tensor if box is None or not box else tensor[box]
+        shape = tuple(entry.shape)
+        box = box or tuple(slice(0, n) for n in shape)
+        sizes = tuple(b.stop - b.start for b in box)
+        if not (
+            out is not None
+            and out.dtype == entry.dtype
+            and out.device.type == "cpu"
+            and out.is_contiguous()
+            and tuple(out.shape) == sizes
+        ):
+            out = torch.empty(sizes, dtype=entry.dtype)
+        if out.numel() == 0:
+            return out
+        raw, base, itemsize = self._raw[entry.file], self._offsets[name], entry.dtype.itemsize
+        dst = out.reshape(-1).view(torch.uint8).numpy().data
+        if not shape:
+            _read_exactly(raw, dst, base, entry.file)
+            return out
+        # Dims after the last partial one are whole: each run of bytes is contiguous.
+        last = max((d for d in range(len(shape)) if sizes[d] != shape[d]), default=0)
+        strides = _contiguous_stride(shape)
+        run = sizes[last] * strides[last] * itemsize
+        pos = 0
+        for index in itertools.product(*(range(b.start, b.stop) for b in box[:last])):
+            first = sum(i * s for i, s in zip(index, strides, strict=False))
+            first += box[last].start * strides[last]
+            _read_exactly(raw, dst[pos : pos + run], base + first * itemsize, entry.file)
+            pos += run
+        return out
+
+
+def _read_exactly(raw: IO[bytes], dst: memoryview, offset: int, file: str) -> None:
+    raw.seek(offset)
+    got = 0
+    while got < len(dst):
+        n = raw.readinto(dst[got:])  # type: ignore[attr-defined]
+        if not n:
+            raise ValueError(f"{file}: truncated (ends before byte {offset + len(dst)})")
+        got += n
+
+
+def _safetensors_layout(file: str) -> dict[str, tuple[int, torch.Size, str]]:
+    """name -> (first byte in the file, shape, dtype name), from the (validated) header."""
+    with open(file, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return {
+        name: (8 + n + int(v["data_offsets"][0]), torch.Size(v["shape"]), str(v["dtype"]))
+        for name, v in header.items()
+        if name != "__metadata__"
+    }
 
 
 def open_source(path: str | os.PathLike[str]) -> Source:

@@ -277,20 +277,25 @@ def _box(t: DTensor) -> tuple[slice, ...] | None:
 
 def _load_one(source: Source, ckpt_name: str, t: torch.Tensor) -> None:
     if not isinstance(t, DTensor):
-        t.copy_(source.read(ckpt_name, None))
+        _fill(t, source.read(ckpt_name, None, out=t))
         return
     local = t._local_tensor
     if local.numel() == 0:
         return
     box = _box(t)
     if box is not None:
-        local.copy_(source.read(ckpt_name, box))
+        _fill(local, source.read(ckpt_name, box, out=local))
         return
     # Transiently the full tensor; distribute_tensor with src_data_rank=None only slices.
     full = source.read(ckpt_name, None).to(local.dtype)
     local.copy_(
         distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None)._local_tensor
     )
+
+
+def _fill(dst: torch.Tensor, data: torch.Tensor) -> None:
+    if data is not dst:  # read into a temporary: another dtype or device
+        dst.copy_(data)
 
 
 def save_full_checkpoint(

@@ -19,6 +19,7 @@ import os
 import sys
 
 import pytest
+import torch
 from _harness import run_on_ranks
 
 _EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
@@ -110,6 +111,37 @@ def test_trains_and_resumes_exactly(tmp_path, data_file):
     )
     code, err = run_on_ranks(2, _run_expecting_exit, wider)[0]
     assert code == 2 and "does not fit this model" in err and "Size mismatch" in err, err
+
+
+def test_export_and_init_from(tmp_path, data_file):
+    """``--export`` writes the final weights (equal to the final DCP checkpoint's); a run with
+    ``--init-from`` that export starts from exactly those weights (with a learning rate too
+    small to move fp32 weights, its own export is bitwise the same file contents)."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    export = str(tmp_path / "export")
+    first = run_on_ranks(2, _run, _args(tmp_path, data_file, "a", *PLAIN, "--export", export))[0]
+    assert first[0]["export"] == export and f"exported: {export}" in first[1], first[1]
+    exported = load_file(os.path.join(export, "model.safetensors"))
+    dcp_to_torch_save(first[0]["checkpoint"], str(tmp_path / "final.pt"))
+    final = torch.load(tmp_path / "final.pt", weights_only=False)["model"]
+    assert sorted(exported) == sorted(final), (sorted(exported), sorted(final))
+    for name, value in final.items():
+        assert torch.equal(exported[name], value), name
+
+    again = str(tmp_path / "again")
+    frozen = ["--steps", "1", "--warmup", "0", "--lr", "1e-30", "--grad-clip", "0"]
+    argv = [*_args(tmp_path, data_file, "b", *PLAIN), *frozen, "--init-from", export]
+    second = run_on_ranks(2, _run, [*argv, "--export", again])[0][0]
+    assert second["history"]["train"][0] < first[0]["history"]["train"][0] - 0.5, second
+    reloaded = load_file(os.path.join(again, "model.safetensors"))
+    for name, value in exported.items():
+        assert torch.equal(reloaded[name], value), name
+
+    argv = [*_args(tmp_path, data_file, "c", *PLAIN), "--init-from", str(tmp_path / "nope")]
+    code, err = run_on_ranks(2, _run_expecting_exit, argv)[0]
+    assert code == 2 and "--init-from" in err and "does not exist" in err, err
 
 
 def test_same_seed_same_losses(tmp_path, data_file, plain_losses):
