@@ -1,11 +1,13 @@
-"""What layers built on the core (the FSDP1 migration layer) may read or hook: the one
-place they touch the core's objects, so that the core can change behind it.
+"""What layers built on the core (the FSDP1 migration layer, ``checkpoint.py``) may read
+or hook: the one place they touch the core's objects, so that the core can change behind it.
 
 * ``managed_params(module)``: the parameters a ``fully_shard`` group manages, each with
   its sharded DTensor parameter and the ``(module, attribute)`` pairs that register it.
 * ``on_backward_end(module, callback)``: run ``callback`` after every backward that
   ``module``'s root drives, once its gradients have landed on the sharded parameters.
 * ``comm_device_type()``: the device type the default process group communicates on.
+* ``compute_device(module)``: the device ``module``'s groups compute on (where
+  ``to_empty`` materialises a meta-device model's shards).
 * ``unit_settings(root)``: a read-only snapshot of what each ``fully_shard`` call under
   ``root`` runs with (reshard after forward, policies, prefetch lists), so that a layer (or
   its tests) can check what it configured without reading the core's objects.
@@ -16,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
@@ -27,6 +30,7 @@ __all__ = [
     "ManagedParam",
     "UnitSettings",
     "comm_device_type",
+    "compute_device",
     "managed_params",
     "on_backward_end",
     "unit_settings",
@@ -70,6 +74,15 @@ def managed_params(
             group.reshard()
         out.extend(ManagedParam(p.sharded, tuple(p.owners)) for p in group.params)
     return out
+
+
+def compute_device(module: nn.Module) -> torch.device | None:
+    """The device the first ``fully_shard`` group in ``module``'s subtree computes on
+    (``None`` without one)."""
+    for st in _states(module, recurse=True):
+        if st.group is not None:
+            return st.group.device
+    return None
 
 
 def on_backward_end(module: nn.Module, callback: Callable[[], None]) -> None:

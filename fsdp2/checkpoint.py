@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -49,8 +51,7 @@ from ._ckpt_files import (
     open_source,
     st_dtype,
 )
-from ._module import FSDPModule
-from ._state import state_of
+from ._seam import compute_device, managed_params
 
 __all__ = ["KeyMap", "LoadResult", "load_full_checkpoint", "save_full_checkpoint"]
 
@@ -118,16 +119,13 @@ def _rename(key_map: KeyMap | None, name: str) -> str | None:
 def _reshard(model: nn.Module) -> None:
     """Register the sharded parameters everywhere (a manual ``unshard`` or a kept
     ``reshard_after_forward=False`` copy would otherwise be what we read or write)."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    managed_params(model, recurse=True, reshard=True)
 
 
 def _compute_device(model: nn.Module) -> torch.device:
-    for module in model.modules():
-        state = state_of(module)
-        if state is not None and state.group is not None:
-            return state.group.device
+    device = compute_device(model)
+    if device is not None:
+        return device
     for t in model.parameters():
         if isinstance(t, DTensor):
             mesh = t.device_mesh
@@ -311,7 +309,8 @@ def save_full_checkpoint(
 
     Collective: every rank of the default process group calls it with the same arguments.
     Tensors are gathered one at a time (``DTensor.full_tensor()``) and streamed straight
-    into their file, so each rank holds at most one full tensor beyond its shards.
+    into their file by a writer thread while the next one is gathered, so each rank holds
+    at most three full tensors beyond its shards.
     Files are spread over the ranks (file ``i`` is written by rank ``i % writers``); with
     ranks on several nodes, ``path`` must be on a shared filesystem, or pass ``writers=1``.
 
@@ -371,15 +370,22 @@ def save_full_checkpoint(
                 writers_of[i] = StreamWriter(file, [(n, s.shape, s.dtype) for n, s in members])
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
-    for i, (ckpt_name, spec) in _interleaved(files):
-        full = _gather(spec.tensor, spec.dtype, spec.name)
-        writer = writers_of.get(i)
-        if writer is not None and error is None:
-            try:
-                writer.write(ckpt_name, full)
-            except Exception as e:
-                error = f"{type(e).__name__} writing {writer.tmp}: {e}"
-        del full
+    disk = _Disk() if writers_of else None
+    try:
+        for i, (ckpt_name, spec) in _interleaved(files):
+            full = _gather(spec.tensor, spec.dtype, spec.name)
+            writer = writers_of.get(i)
+            if disk is not None and writer is not None and error is None:
+                disk.put(writer, ckpt_name, full)
+            del full
+    except BaseException:  # a collective failed: no rank publishes anything
+        if disk is not None:
+            disk.close()
+        for writer in writers_of.values():
+            writer.abort()
+        raise
+    if disk is not None:
+        error = error or disk.close()
     if error is None:
         try:
             for writer in writers_of.values():
@@ -409,6 +415,38 @@ def save_full_checkpoint(
     if len(files) > 1:
         written.append(os.path.join(path, SAFETENSORS_INDEX))
     return written
+
+
+class _Disk:
+    """Appends gathered tensors to their files on a background thread, so the next gather
+    overlaps the write (both release the GIL); at most one tensor waits in between, so a
+    rank holds at most three full tensors (gathering, waiting, being written)."""
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+        self._queue: queue.Queue[tuple[StreamWriter, str, torch.Tensor] | None]
+        self._queue = queue.Queue(maxsize=1)
+        self._thread = threading.Thread(target=self._run, name="fsdp2-ckpt-writer", daemon=True)
+        self._thread.start()
+
+    def put(self, writer: StreamWriter, name: str, tensor: torch.Tensor) -> None:
+        self._queue.put((writer, name, tensor))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            writer, name, tensor = item
+            if self.error is None:
+                try:
+                    writer.write(name, tensor)
+                except Exception as e:
+                    self.error = f"{type(e).__name__} writing {writer.tmp}: {e}"
+            del item, tensor
+
+    def close(self) -> str | None:
+        """Wait for the queued writes; the first error, if any."""
+        self._queue.put(None)
+        self._thread.join()
+        return self.error
 
 
 class _Spec(NamedTuple):
