@@ -7,7 +7,7 @@ into and out of a sharded model, with bounded memory on every rank.
   of the full tensor (``_StridedShard`` from FSDP + tensor parallel on one dim).
 * :func:`save_full_checkpoint`: writes a Hugging Face-compatible sharded safetensors
   checkpoint (files + ``model.safetensors.index.json``), gathering one tensor at a time and
-  streaming it to disk, files spread over the ranks. A crash leaves no checkpoint that
+  streaming it to disk from a writer thread, files spread over the ranks. A crash leaves no checkpoint that
   looks complete.
 
 # [Note: full checkpoints]
