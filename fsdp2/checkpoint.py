@@ -6,9 +6,10 @@ into and out of a sharded model, with bounded memory on every rank.
   tensor on any rank, except transiently one tensor at a time where a layout is not a box
   of the full tensor (``_StridedShard`` from FSDP + tensor parallel on one dim).
 * :func:`save_full_checkpoint`: writes a Hugging Face-compatible sharded safetensors
-  checkpoint (files + ``model.safetensors.index.json``), gathering one tensor at a time and
-  streaming it to disk from a writer thread, files spread over the ranks. A crash leaves no checkpoint that
-  looks complete.
+  checkpoint (files + ``model.safetensors.index.json``): each tensor is gathered to the rank
+  writing its file (see [Note: gathering to the writer] in _ckpt_save.py) and streamed to
+  disk from a writer thread, files spread over the ranks. A crash leaves no checkpoint
+  that looks complete.
 
 # [Note: full checkpoints]
 # Names: a model's tensors are its parameters and persistent buffers under their
@@ -28,29 +29,22 @@ into and out of a sharded model, with bounded memory on every rank.
 
 from __future__ import annotations
 
-import json
 import os
-import queue
-import re
-import threading
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ._ckpt_files import (
-    SAFETENSORS_INDEX,
-    SAFETENSORS_SINGLE,
     Source,
-    StreamWriter,
     open_source,
     st_dtype,
 )
+from ._ckpt_save import Spec, parse_size, plain, plan_files, write_checkpoint
 from ._seam import compute_device, managed_params
 
 __all__ = ["KeyMap", "LoadResult", "load_full_checkpoint", "save_full_checkpoint"]
@@ -60,7 +54,6 @@ KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
 ``None`` drops the tensor (e.g. an old checkpoint's ``rotary_emb.inv_freq``)."""
 
 _WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
-_SHARD_FILE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 
 
 class LoadResult(NamedTuple):
@@ -69,7 +62,8 @@ class LoadResult(NamedTuple):
     missing_keys: list[str]
     """Model tensors the checkpoint has no value for (left unchanged)."""
     unexpected_keys: list[str]
-    """Checkpoint tensors (after ``key_map``) the model has no tensor for (ignored)."""
+    """Checkpoint tensors (under their names in the checkpoint, before ``key_map``) the
+    model has no tensor for (ignored)."""
 
 
 class _Named(NamedTuple):
@@ -308,9 +302,10 @@ def save_full_checkpoint(
     """Write ``model``'s full tensors as a Hugging Face-compatible safetensors checkpoint.
 
     Collective: every rank of the default process group calls it with the same arguments.
-    Tensors are gathered one at a time (``DTensor.full_tensor()``) and streamed straight
-    into their file by a writer thread while the next one is gathered, so each rank holds
-    at most three full tensors beyond its shards.
+    Tensors are gathered one at a time to the rank writing their file (one ``gather`` over
+    the shard group for FSDP / HSDP layouts, ``DTensor.full_tensor()`` for others) and
+    streamed into the file by a writer thread while the next one is gathered, so a rank
+    holds at most three full tensors beyond its shards.
     Files are spread over the ranks (file ``i`` is written by rank ``i % writers``); with
     ranks on several nodes, ``path`` must be on a shared filesystem, or pass ``writers=1``.
 
@@ -335,7 +330,7 @@ def save_full_checkpoint(
             mapped to one; raised on every rank before any collective.
         RuntimeError: a rank failed to write (on every rank, naming it); nothing is published.
     """
-    limit = _parse_size(max_shard_size)
+    limit = parse_size(max_shard_size)
     if dtype is not None and not dtype.is_floating_point:
         raise TypeError(f"save_full_checkpoint: dtype must be a floating-point dtype, got {dtype}")
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -355,111 +350,15 @@ def save_full_checkpoint(
     if on_meta:
         raise ValueError(f"save_full_checkpoint: {', '.join(on_meta)} are on the meta device")
     specs = _save_specs(named, key_map, dtype)
-    files = _plan_files(specs, limit, path, single_file)
+    files = plan_files(specs, limit, path, single_file)
 
-    folder = os.path.dirname(path) if single_file else path
-    error: str | None = None
-    writers_of: dict[int, StreamWriter] = {}
-    try:
-        if folder:
-            os.makedirs(folder, exist_ok=True)
-        if rank == 0 and not single_file and os.path.exists(os.path.join(path, SAFETENSORS_INDEX)):
-            os.remove(os.path.join(path, SAFETENSORS_INDEX))
-        for i, (file, members) in enumerate(files):
-            if i % n_writers == rank:
-                writers_of[i] = StreamWriter(file, [(n, s.shape, s.dtype) for n, s in members])
-    except Exception as e:
-        error = f"{type(e).__name__}: {e}"
-    disk = _Disk() if writers_of else None
-    try:
-        for i, (ckpt_name, spec) in _interleaved(files):
-            full = _gather(spec.tensor, spec.dtype, spec.name)
-            writer = writers_of.get(i)
-            if disk is not None and writer is not None and error is None:
-                disk.put(writer, ckpt_name, full)
-            del full
-    except BaseException:  # a collective failed: no rank publishes anything
-        if disk is not None:
-            disk.close()
-        for writer in writers_of.values():
-            writer.abort()
-        raise
-    if disk is not None:
-        error = error or disk.close()
-    if error is None:
-        try:
-            for writer in writers_of.values():
-                writer.commit()
-        except Exception as e:
-            error = f"{type(e).__name__}: {e}"
-    failed = _agree(error)
-    if failed:
-        for writer in writers_of.values():
-            writer.abort()
-        raise RuntimeError(f"save_full_checkpoint({path}) failed, nothing was published: {failed}")
-    try:
-        for writer in writers_of.values():
-            writer.publish()
-    except Exception as e:
-        error = f"{type(e).__name__}: {e}"
-    failed = _agree(error)
-    if not failed and rank == 0 and not single_file:
-        try:
-            _finish_dir(path, files)
-        except Exception as e:
-            error = f"{type(e).__name__} writing the index: {e}"
-    failed = _agree(error)
-    if failed:
-        raise RuntimeError(f"save_full_checkpoint({path}) failed while publishing: {failed}")
-    written = [file for file, _ in files]
-    if len(files) > 1:
-        written.append(os.path.join(path, SAFETENSORS_INDEX))
-    return written
-
-
-class _Disk:
-    """Appends gathered tensors to their files on a background thread, so the next gather
-    overlaps the write (both release the GIL); at most one tensor waits in between, so a
-    rank holds at most three full tensors (gathering, waiting, being written)."""
-
-    def __init__(self) -> None:
-        self.error: str | None = None
-        self._queue: queue.Queue[tuple[StreamWriter, str, torch.Tensor] | None]
-        self._queue = queue.Queue(maxsize=1)
-        self._thread = threading.Thread(target=self._run, name="fsdp2-ckpt-writer", daemon=True)
-        self._thread.start()
-
-    def put(self, writer: StreamWriter, name: str, tensor: torch.Tensor) -> None:
-        self._queue.put((writer, name, tensor))
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            writer, name, tensor = item
-            if self.error is None:
-                try:
-                    writer.write(name, tensor)
-                except Exception as e:
-                    self.error = f"{type(e).__name__} writing {writer.tmp}: {e}"
-            del item, tensor
-
-    def close(self) -> str | None:
-        """Wait for the queued writes; the first error, if any."""
-        self._queue.put(None)
-        self._thread.join()
-        return self.error
-
-
-class _Spec(NamedTuple):
-    name: str  # the model's name (for errors)
-    tensor: torch.Tensor
-    shape: torch.Size
-    dtype: torch.dtype  # in the file
+    return write_checkpoint(path, files, n_writers, rank, single_file)
 
 
 def _save_specs(
     named: _Named, key_map: KeyMap | None, dtype: torch.dtype | None
-) -> dict[str, _Spec]:
-    specs: dict[str, _Spec] = {}
+) -> dict[str, Spec]:
+    specs: dict[str, Spec] = {}
     sources: dict[str, str] = {}
     for name, tensor in named.tensors.items():
         ckpt_name = _rename(key_map, name)
@@ -472,122 +371,7 @@ def _save_specs(
             )
         out = dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype
         st_dtype(out, f"save_full_checkpoint: {name}")
-        specs[ckpt_name] = _Spec(name, tensor, tensor.shape, out)
+        plain(_local(tensor), name)  # a subclass without plain values: TypeError on every rank
+        specs[ckpt_name] = Spec(name, tensor, tensor.shape, out)
         sources[ckpt_name] = name
     return specs
-
-
-def _plan_files(
-    specs: dict[str, _Spec], limit: int, path: str, single_file: bool
-) -> list[tuple[str, list[tuple[str, _Spec]]]]:
-    """Tensors in order, cut into files of at most ``limit`` bytes (save_pretrained's rule)."""
-    groups: list[list[tuple[str, _Spec]]] = [[]]
-    size = 0
-    for ckpt_name, spec in specs.items():
-        nbytes = spec.shape.numel() * spec.dtype.itemsize
-        if not single_file and groups[-1] and size + nbytes > limit:
-            groups.append([])
-            size = 0
-        groups[-1].append((ckpt_name, spec))
-        size += nbytes
-    if single_file:
-        return [(path, groups[0])]
-    if len(groups) == 1:
-        return [(os.path.join(path, SAFETENSORS_SINGLE), groups[0])]
-    n = len(groups)
-    return [
-        (os.path.join(path, f"model-{i + 1:05d}-of-{n:05d}.safetensors"), g)
-        for i, g in enumerate(groups)
-    ]
-
-
-def _interleaved(
-    files: list[tuple[str, list[tuple[str, _Spec]]]],
-) -> list[tuple[int, tuple[str, _Spec]]]:
-    """Round-robin over the files, so every writer has work in every round."""
-    order = []
-    for k in range(max(len(members) for _, members in files)):
-        for i, (_, members) in enumerate(files):
-            if k < len(members):
-                order.append((i, members[k]))
-    return order
-
-
-def _plain(t: torch.Tensor, name: str) -> torch.Tensor:
-    """A plain tensor of ``t``'s values: a wrapper subclass holding one tensor of its dtype
-    (e.g. torchao's float8 training weight) gives that tensor."""
-    t = t.detach()
-    wrapper: Any = t
-    while type(t) is not torch.Tensor and is_traceable_wrapper_subclass(wrapper):
-        inner_names, _ = wrapper.__tensor_flatten__()
-        inner = getattr(wrapper, inner_names[0]) if len(inner_names) == 1 else None
-        if inner is None or inner.dtype != t.dtype or inner.shape != t.shape:
-            raise TypeError(
-                f"save_full_checkpoint: {name} is a {type(t).__qualname__}, which has no "
-                "plain tensor of its values; save it with torch.distributed.checkpoint"
-            )
-        t = wrapper = inner
-    return t
-
-
-def _gather(t: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
-    """The full value of ``t`` in ``dtype`` on the CPU (a collective for a DTensor)."""
-    if isinstance(t, DTensor):
-        mesh = t.device_mesh
-        local = _plain(t._local_tensor, name)
-        device = (
-            torch.device("cpu")
-            if mesh.device_type == "cpu"
-            else torch.device(mesh.device_type, torch.accelerator.current_device_index())
-        )
-        local = local.to(device=device, dtype=dtype)
-        spread = DTensor.from_local(
-            local, mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
-        )
-        full = spread.full_tensor()
-    else:
-        full = _plain(t, name).to(dtype)
-    return full.to("cpu").contiguous()
-
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
-
-
-def _parse_size(size: int | str) -> int:
-    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
-        return size
-    if isinstance(size, str):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", size)
-        if m and m.group(2).upper() in _UNITS and float(m.group(1)) > 0:
-            return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-    raise ValueError(
-        f"save_full_checkpoint: max_shard_size must be a positive number of bytes or a size "
-        f"like '5GB' or '500MiB', got {size!r}"
-    )
-
-
-def _agree(error: str | None) -> str:
-    """Every rank's error (``""`` if none): a collective, so all ranks decide alike."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return f"rank 0: {error}" if error else ""
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, error)
-    return "; ".join(f"rank {r}: {e}" for r, e in enumerate(gathered) if e)
-
-
-def _finish_dir(path: str, files: list[tuple[str, list[tuple[str, _Spec]]]]) -> None:
-    """Rank 0, after every file is published: the index (if several files) and the
-    removal of weight files a previous save left that this one did not write."""
-    names = {os.path.basename(file) for file, _ in files}
-    if len(files) > 1:
-        weight_map = {ck: os.path.basename(file) for file, members in files for ck, _ in members}
-        total = sum(s.shape.numel() * s.dtype.itemsize for _, m in files for _, s in m)
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        tmp = os.path.join(path, SAFETENSORS_INDEX + ".partial")
-        with open(tmp, "w") as f:
-            json.dump(index, f, indent=2)
-        os.replace(tmp, os.path.join(path, SAFETENSORS_INDEX))
-    for entry in os.listdir(path):
-        if _SHARD_FILE.match(entry) and entry not in names:
-            os.remove(os.path.join(path, entry))

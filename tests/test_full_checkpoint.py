@@ -1123,9 +1123,9 @@ def test_overwrite_removes_stale_files(tmp_path) -> None:
 
 
 def _unsavable_tensor(root: str) -> None:
-    """A tensor that has no plain values (a ``TwoTensor`` parameter, left unsharded) fails
-    mid-stream on every rank alike: ``TypeError`` naming it, no hang, nothing published,
-    no ``.partial`` file left, and the older checkpoint's index removed."""
+    """A tensor that has no plain values (a ``TwoTensor`` parameter, left unsharded) is a
+    ``TypeError`` naming it on every rank alike, raised before anything is gathered or
+    written: no hang, no ``.partial`` file, the older checkpoint untouched (it still loads)."""
     from torch.testing._internal.two_tensor import TwoTensor
 
     save_full_checkpoint(_shard(_build(1)), root, max_shard_size=SMALL)
@@ -1136,8 +1136,11 @@ def _unsavable_tensor(root: str) -> None:
         save_full_checkpoint(model, root, max_shard_size=SMALL)
     dist.barrier()
     left = sorted(os.listdir(root))
-    assert INDEX not in left, f"the older checkpoint's index is left: {left}"
+    assert INDEX in left, f"the older checkpoint was touched: {left}"
     assert not [e for e in left if e.endswith(".partial")], f"partial files left: {left}"
+    older = _shard(_build(2))
+    load_full_checkpoint(older, root)
+    _check_state(older, _state(_build(1)), "the older checkpoint")
     dist.barrier()
 
 
