@@ -15,8 +15,10 @@ the ranks, fsync'ed before the rename) and ``torch-full`` (torch's ``fully_shard
 ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` then rank 0
 ``safetensors.torch.save_file``, no fsync).
 
-Every case runs in fresh processes, from a model on the meta device (materialised with
-``to_empty`` inside the measured load; before the measured save). The peak is the kernel's
+Every case runs in fresh processes, after the source checkpoint was read once (so it
+comes from the page cache: the numbers are the methods' cost, not the disk's), from a
+model on the meta device (materialised with ``to_empty`` inside the measured load; before
+the measured save). The peak is the kernel's
 RSS high-water mark of the operation alone (reset through ``/proc/self/clear_refs`` right
 before it), minus the RSS before it. The target is each rank's own shard plus the largest
 ``fully_shard`` group's unsharded size. Cases are interleaved over ``--repeats`` rounds;
@@ -61,6 +63,15 @@ def rss_bytes(field: str = "VmRSS") -> int:
 def reset_peak() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS
+
+
+def warm(folder: str) -> None:
+    """Read every file of ``folder`` once, so each case reads the checkpoint from the page
+    cache (what a method costs, not how warm the disk cache happened to be)."""
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), "rb", buffering=0) as f:
+            while f.read(64 << 20):
+                pass
 
 
 def config(args: argparse.Namespace) -> LlamaConfig:
@@ -221,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[tuple[str, str], list[list[dict]]] = {c: [] for c in cases}
     for _ in range(args.repeats):
         for op, case in cases:
+            warm(src)
             mp.spawn(run_case, args=(args, op, case, src), nprocs=args.world_size)
             per_rank = []
             for r in range(args.world_size):
