@@ -2,6 +2,7 @@
 with torch's FSDP2 ``fully_shard`` (torch 2.13)."""
 
 from . import checkpoint, optim
+from ._debug import is_debug, set_debug
 from .api import (
     AllGather,
     Comm,
@@ -33,7 +34,9 @@ __all__ = [
     "checkpoint",
     "clip_grad_norm_",
     "fully_shard",
+    "is_debug",
     "optim",
     "register_fsdp_forward_method",
+    "set_debug",
     "share_comm_ctx",
 ]

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import _collectives as C
+from . import _debug as D
 from . import _extension as X
 from . import _reduce as R
 from . import _relayout as L
@@ -62,6 +63,7 @@ class ParamGroup:
         self.params = params
         self.info = info
         self.name = name
+        self.path = name  # its module's path under the root, set at lazy init (for messages)
         self.mp_policy = mp_policy
         self.offload_policy = offload_policy
         self.device = info.device
@@ -298,7 +300,9 @@ class ParamGroup:
         flat = self.gather_input()
         if self.ext_params:
             flat = X.pack_inputs(self, flat)
-        self.gather_issued(C.all_gather(flat, self.info.shard_group, self.world, self.gather.comm))
+        pg = self.info.shard_group
+        D.check("all-gather", self.path, flat.numel() * self.world, flat.dtype, pg)
+        self.gather_issued(C.all_gather(flat, pg, self.world, self.gather.comm))
 
     def gather_input(self) -> torch.Tensor:
         """This rank's flat all-gather input (plain parameters)."""

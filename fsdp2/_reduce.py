@@ -20,6 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import _collectives as C
+from . import _debug as D
 from ._param import FSDPParam
 
 if TYPE_CHECKING:
@@ -83,6 +84,9 @@ class Reduction:
                     out.add_(part.group.partial_reduce)
                     part.group.partial_reduce = None
             self.stage = ReduceStage.ALL_REDUCE
+            if D.is_debug():
+                what = ", ".join(part.group.path for part in self.parts)
+                D.check("all-reduce", what, output.numel(), output.dtype, replicate)
             self.pending = C.all_reduce(output, replicate, self.plan.ar_op)
             return False
         for part, out in self._slices(output):
@@ -181,6 +185,9 @@ def reduce(parts: list[Part]) -> Reduction:
     if plan.pre is not None:
         packed.div_(plan.pre)
     pg = group.reduce.group or group.info.shard_group
+    if D.is_debug():
+        what = ", ".join(part.group.path for part in parts)
+        D.check("reduce-scatter", what, packed.numel(), packed.dtype, pg)
     pending = C.reduce_scatter(packed, pg, plan.rs_op, comm)
     return Reduction(parts, pending, plan)
 

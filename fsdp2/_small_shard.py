@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import _collectives as C
+from . import _debug as D
 from ._mesh import post_forward_group
 
 if TYPE_CHECKING:
@@ -51,6 +52,9 @@ class SmallShard:
     def all_gather(self) -> C.Pending:
         flat, self.flat = self.flat, None
         assert flat is not None
+        if D.is_debug():
+            what = f"{self.group.path} (its reshard_after_forward={self.size} copy)"
+            D.check("all-gather", what, flat.numel() * self.size, flat.dtype, self.group_pg)
         return C.all_gather(flat, self.group_pg, self.size)
 
     def copy_out(self, output: torch.Tensor) -> None:

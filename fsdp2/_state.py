@@ -130,6 +130,11 @@ class FSDPState:
         for st in states:
             st.ctx = ctx
             st.is_root = st is self
+        for top in self.modules:  # module paths for messages (fsdp2 debug mode)
+            for path, m in top.named_modules():
+                st = state_of(m)
+                if st is not None and st.group is not None and st.group.path == st.group.name:
+                    st.group.path = path or f"the root ({st.group.name})"
         if self.auto_reshard and self.group is not None:
             # Its backward comes first: keep the root's params through it.
             self.group.update(gather={"post_forward": False})

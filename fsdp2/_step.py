@@ -42,6 +42,7 @@ import torch
 from torch.autograd import Variable
 
 from . import _collectives as C
+from . import _debug as D
 from . import _reduce as R
 from ._param_group import Sharded
 from ._reduce import Reduction
@@ -132,6 +133,10 @@ class StepContext:
             g.unshard()
             return
         inputs = [h.gather_input() for h in bucket]
+        if D.is_debug():
+            what = "the bucket of " + ", ".join(h.path for h in bucket)
+            numel = sum(x.numel() for x in inputs) * g.world
+            D.check("all-gather", what, numel, inputs[0].dtype, key[0])
         for h, pending in zip(bucket, C.all_gather_bucket(inputs, key[0], g.world), strict=True):
             h.gather_issued(pending)
 
@@ -191,6 +196,7 @@ class StepContext:
         """The root's forward starts. From FORWARD too: a forward that raised (or a
         root forward nested in a registered method) just starts over."""
         self.phase = StepPhase.FORWARD
+        D.note_phase("forward", new_step=True)
         self.fwd_order = []
         self.post_fwd_order = []
         for st in self.with_group:
@@ -226,6 +232,7 @@ class StepContext:
                 "gradients once per backward of a finished forward and cannot do that"
             )
         self.phase = StepPhase.BACKWARD
+        D.note_phase("backward")
         order = self.post_fwd_order
         for i, st in enumerate(order):  # later occurrences win: backward runs them first
             st.bwd_next = [order[i - 1]] if i > 0 else []
@@ -259,6 +266,7 @@ class StepContext:
 
     def finish_backward(self) -> None:
         """The root's final callback: see [Note: one step]."""
+        D.note_phase("final callback of the backward")
         for st in self.with_group:
             assert st.group is not None
             if st.group.has_unreduced_grads():  # reduce, or (no sync) accumulate
@@ -274,6 +282,7 @@ class StepContext:
                 st.group.reshard()
             st.end_step()
         self.phase = StepPhase.IDLE
+        D.note_phase("time between steps")
         for st in self.states:
             for callback in st.backward_end_callbacks:
                 callback()
