@@ -12,6 +12,10 @@ so a run is reproducible from its seed, and a run resumed from a checkpoint (mod
 step and the generator's state, saved with ``torch.distributed.checkpoint``) repeats the loss
 curve of an uninterrupted one exactly.
 
+``--timeline`` profiles one step (``fsdp2.timeline``): a Chrome trace and a Gantt chart per
+rank under ``--out-dir``, and a one-line summary of compute, exposed communication and fsdp2's
+own time.
+
 ``--init-from PATH`` starts from a full safetensors (or ``torch.save``) checkpoint instead of a
 random init: the model is built on the meta device, sharded, and each rank reads only its own
 shards (``fsdp2.checkpoint.load_full_checkpoint``). ``--export PATH`` writes the trained model
@@ -36,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from fsdp2 import MixedPrecisionPolicy, fully_shard
+from fsdp2 import MixedPrecisionPolicy, fully_shard, timeline
 from fsdp2.checkpoint import load_full_checkpoint, save_full_checkpoint
 from fsdp2.models import Llama, LlamaConfig
 from fsdp2.optim import step_on_local_shards
@@ -121,6 +125,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, _Parser]:
     add("--resume", nargs="?", const="latest", help="from the latest or the given step_* dir")
     add("--init-from", help="start from a full safetensors/torch checkpoint (e.g. an --export)")
     add("--export", help="write the final model as safetensors to this directory")
+    add(
+        "--timeline",
+        action="store_true",
+        help="profile step 3 (or the last): OUT_DIR/timeline.rank<r>.json (Perfetto) + .png",
+    )
     add("--plot", help="loss-curve PNG (default: OUT_DIR/loss.png; 'none': no plot)")
     args = p.parse_args(argv)
     if args.dim % args.heads or (args.dim // args.heads) % 2:
@@ -293,6 +302,23 @@ def train_step(model, optim, x, y, args: argparse.Namespace) -> tuple[float, flo
     return mean_over_ranks(total / k), norm.item()
 
 
+def profiled_step(model, optim, x, y, args: argparse.Namespace) -> tuple[float, float]:
+    """``train_step`` under ``fsdp2.timeline``: writes the step's Chrome trace and (with
+    matplotlib) its Gantt chart under ``--out-dir``; rank 0 prints the summary."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        png = False
+    else:
+        png = True
+    with timeline(os.path.join(args.out_dir, "timeline"), png=png) as tl:
+        out = train_step(model, optim, x, y, args)
+    if dist.get_rank() == 0:
+        drawn = f", {tl.png_path}" if png else " (no PNG: matplotlib is not installed)"
+        print(f"timeline: {tl.summary}\n  {tl.trace_path}{drawn}", flush=True)
+    return out
+
+
 @torch.no_grad()
 def evaluate(model, val: torch.Tensor, args: argparse.Namespace, device: torch.device) -> float:
     """Mean loss over fixed, evenly spaced validation windows (the same in every run)."""
@@ -437,7 +463,10 @@ def train(args: argparse.Namespace, parser: _Parser, device: torch.device) -> di
         for group in optim.param_groups:
             group["lr"] = lr_at(step, args)
         x, y = sample_batch(train_data, per_step, args.seq_len, gen)
-        loss, norm = train_step(model, optim, x[mine].to(device), y[mine].to(device), args)
+        if args.timeline and step == min(start + 3, args.steps):
+            loss, norm = profiled_step(model, optim, x[mine].to(device), y[mine].to(device), args)
+        else:
+            loss, norm = train_step(model, optim, x[mine].to(device), y[mine].to(device), args)
         t_train += time.perf_counter() - t_step
         history["train"].append(loss)
         if step % args.log_every == 0 or step in (start + 1, args.steps):

@@ -20,6 +20,7 @@ from .fully_shard import (
     register_fsdp_forward_method,
     share_comm_ctx,
 )
+from .profiling import Timeline, timeline
 
 __all__ = [
     "AllGather",
@@ -30,6 +31,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "ReduceScatter",
+    "Timeline",
     "UnshardHandle",
     "checkpoint",
     "clip_grad_norm_",
@@ -39,4 +41,5 @@ __all__ = [
     "register_fsdp_forward_method",
     "set_debug",
     "share_comm_ctx",
+    "timeline",
 ]

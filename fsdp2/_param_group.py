@@ -26,6 +26,7 @@ from . import _debug as D
 from . import _extension as X
 from . import _reduce as R
 from . import _relayout as L
+from ._labels import label
 from ._mesh import MeshInfo, shard_mesh
 from ._param import FSDPParam
 from ._relayout import group_dtype
@@ -302,7 +303,8 @@ class ParamGroup:
             flat = X.pack_inputs(self, flat)
         pg = self.info.shard_group
         D.check("all-gather", self.path, flat.numel() * self.world, flat.dtype, pg)
-        self.gather_issued(C.all_gather(flat, pg, self.world, self.gather.comm))
+        with label("all_gather issue", self.path):
+            self.gather_issued(C.all_gather(flat, pg, self.world, self.gather.comm))
 
     def gather_input(self) -> torch.Tensor:
         """This rank's flat all-gather input (plain parameters)."""
@@ -356,17 +358,19 @@ class ParamGroup:
             self.unshard()
         pending, self._pending_ag = self._pending_ag, None
         assert pending is not None
-        output = pending.wait()
-        _alloc(self.unsharded_flat)
-        if self._pending_ag_small:
-            assert self.small is not None
-            for p in self.ext_params:
-                p.ext.alloc()  # type: ignore[union-attr]
-            self.small.copy_out(output)
-        elif self.ext_params:
-            X.copy_out(self, output)
-        else:
-            self.copy_out_plain(output)
+        with label("all_gather wait", self.path):
+            output = pending.wait()
+        with label("copy_out", self.path):
+            _alloc(self.unsharded_flat)
+            if self._pending_ag_small:
+                assert self.small is not None
+                for p in self.ext_params:
+                    p.ext.alloc()  # type: ignore[union-attr]
+                self.small.copy_out(output)
+            elif self.ext_params:
+                X.copy_out(self, output)
+            else:
+                self.copy_out_plain(output)
         del output, pending
         if self.ext_params:
             self._build_ext_unsharded()
@@ -412,6 +416,10 @@ class ParamGroup:
         """Free the unsharded params and register the sharded ones. With
         ``to_small`` (reshard_after_forward=int) keep a copy sharded over the
         smaller group for the backward all-gather."""
+        with label("reshard", self.path):
+            self._reshard(to_small)
+
+    def _reshard(self, to_small: bool) -> None:
         if self._pending_ag is not None:  # prefetched but unused
             self._pending_ag.wait()
             self._pending_ag = None

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _collectives as C
 from . import _debug as D
+from ._labels import label
 from ._param import FSDPParam
 
 if TYPE_CHECKING:
@@ -69,7 +70,10 @@ class Reduction:
         """Wait for the current stage and start the next; True once finished."""
         assert self.stage is not ReduceStage.DONE, "advancing a finished reduction"
         g = self.group
-        output = self.pending.wait()
+        scatter = self.stage is ReduceStage.REDUCE_SCATTER
+        kind = "reduce_scatter wait" if scatter else "all_reduce wait"
+        with label(kind, lambda: _paths(self.parts)):
+            output = self.pending.wait()
         replicate = g.info.replicate_group
         if self.stage is ReduceStage.REDUCE_SCATTER and replicate is not None:
             if not g.reduce.all_reduce:  # never bucketed (see bucket_key)
@@ -85,9 +89,9 @@ class Reduction:
                     part.group.partial_reduce = None
             self.stage = ReduceStage.ALL_REDUCE
             if D.is_debug():
-                what = ", ".join(part.group.path for part in self.parts)
-                D.check("all-reduce", what, output.numel(), output.dtype, replicate)
-            self.pending = C.all_reduce(output, replicate, self.plan.ar_op)
+                D.check("all-reduce", _paths(self.parts), output.numel(), output.dtype, replicate)
+            with label("all_reduce issue", lambda: _paths(self.parts)):
+                self.pending = C.all_reduce(output, replicate, self.plan.ar_op)
             return False
         for part, out in self._slices(output):
             if part.group.reduce.hook is not None:
@@ -170,6 +174,10 @@ def bucket_key(group: ParamGroup) -> tuple[Any, ...] | None:
     return (pg, group.info.replicate_group, group.world, dtype, group.device, group.divide_plan)
 
 
+def _paths(parts: list[Part]) -> str:
+    return ", ".join(part.group.path for part in parts)
+
+
 def reduce(parts: list[Part]) -> Reduction:
     """Issue ONE reduce-scatter of the parts' gradients (groups of equal ``bucket_key``
     when more than one): packed rank-major, each rank's row is its slice of every part
@@ -177,18 +185,19 @@ def reduce(parts: list[Part]) -> Reduction:
     group = parts[0].group
     dtype = group.reduce_dtype or group.param_dtype
     comm = group.reduce.comm
-    grads = [g for part in parts for g in part.grads]
-    packed = C.pack_for_reduce_scatter(grads, group.world, dtype, comm)
-    del grads
-    parts = [part._replace(grads=[]) for part in parts]  # packed: free them as we go
     plan = group.divide_plan
-    if plan.pre is not None:
-        packed.div_(plan.pre)
+    with label("reduce_scatter pack", lambda: _paths(parts)):
+        grads = [g for part in parts for g in part.grads]
+        packed = C.pack_for_reduce_scatter(grads, group.world, dtype, comm)
+        del grads
+        parts = [part._replace(grads=[]) for part in parts]  # packed: free them as we go
+        if plan.pre is not None:
+            packed.div_(plan.pre)
     pg = group.reduce.group or group.info.shard_group
     if D.is_debug():
-        what = ", ".join(part.group.path for part in parts)
-        D.check("reduce-scatter", what, packed.numel(), packed.dtype, pg)
-    pending = C.reduce_scatter(packed, pg, plan.rs_op, comm)
+        D.check("reduce-scatter", _paths(parts), packed.numel(), packed.dtype, pg)
+    with label("reduce_scatter issue", lambda: _paths(parts)):
+        pending = C.reduce_scatter(packed, pg, plan.rs_op, comm)
     return Reduction(parts, pending, plan)
 
 

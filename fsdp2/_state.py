@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from ._labels import hook
 from ._param_group import ParamGroup
 from ._step import LEGAL_MOVES, StepContext, StepPhase, TrainingState, gathers_in_backward
 from ._tree_checks import check_materialized, validate_tree
@@ -142,6 +143,7 @@ class FSDPState:
     # ---- forward -------------------------------------------------------------------
 
     @_eager
+    @hook("pre_forward")
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -204,6 +206,7 @@ class FSDPState:
         return tree_unflatten(flat, spec)  # type: ignore[no-any-return]
 
     @_eager
+    @hook("post_forward")
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         ctx = self.ctx
         assert ctx is not None
@@ -257,6 +260,7 @@ class FSDPState:
         elif tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
 
+    @hook("pre_backward")
     def _pre_backward(self, *unused: Any) -> None:
         ctx = self.ctx
         assert ctx is not None
@@ -287,6 +291,7 @@ class FSDPState:
         ):
             self.post_backward()
 
+    @hook("post_backward")
     def post_backward(self) -> None:
         """Hand the group's gradients to reduction (queued on the step) and reshard."""
         assert self.group is not None and self.ctx is not None

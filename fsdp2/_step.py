@@ -44,6 +44,7 @@ from torch.autograd import Variable
 from . import _collectives as C
 from . import _debug as D
 from . import _reduce as R
+from ._labels import label
 from ._param_group import Sharded
 from ._reduce import Reduction
 
@@ -137,7 +138,9 @@ class StepContext:
             what = "the bucket of " + ", ".join(h.path for h in bucket)
             numel = sum(x.numel() for x in inputs) * g.world
             D.check("all-gather", what, numel, inputs[0].dtype, key[0])
-        for h, pending in zip(bucket, C.all_gather_bucket(inputs, key[0], g.world), strict=True):
+        with label("all_gather issue", lambda: "bucket " + ", ".join(h.path for h in bucket)):
+            pendings = C.all_gather_bucket(inputs, key[0], g.world)
+        for h, pending in zip(bucket, pendings, strict=True):
             h.gather_issued(pending)
 
     # ---- reductions ------------------------------------------------------------
@@ -266,6 +269,10 @@ class StepContext:
 
     def finish_backward(self) -> None:
         """The root's final callback: see [Note: one step]."""
+        with label("hook", "final_callback"):
+            self._finish_backward()
+
+    def _finish_backward(self) -> None:
         D.note_phase("final callback of the backward")
         for st in self.with_group:
             assert st.group is not None

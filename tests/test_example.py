@@ -5,8 +5,9 @@ writes its outputs; that the same seed gives the same losses; that resuming from
 checkpoint of a 6-step run repeats that run's losses bitwise (and a model of another width
 is refused with a clear message); that mesh shapes (FSDP, HSDP both ways), gradient
 accumulation and ``reshard_after_forward=False`` give the same losses as the plain run (up to
-float rounding); that bf16 trains; and that bad options exit with status 2 and a message on
-rank 0 naming the option.
+float rounding); that bf16 trains; that ``--export`` / ``--init-from`` round-trip the weights
+and ``--timeline`` writes a step's trace and chart; and that bad options exit with status 2
+and a message on rank 0 naming the option.
 """
 
 from __future__ import annotations
@@ -142,6 +143,20 @@ def test_export_and_init_from(tmp_path, data_file):
     argv = [*_args(tmp_path, data_file, "c", *PLAIN), "--init-from", str(tmp_path / "nope")]
     code, err = run_on_ranks(2, _run_expecting_exit, argv)[0]
     assert code == 2 and "--init-from" in err and "does not exist" in err, err
+
+
+def test_timeline_option(tmp_path, data_file):
+    """``--timeline`` profiles step 3: a Chrome trace and a PNG per rank, the summary printed,
+    and the same losses as the plain run."""
+    out = tmp_path / "tl"
+    summary, printed = run_on_ranks(
+        2, _run, _args(tmp_path, data_file, "tl", *PLAIN, "--timeline")
+    )[0]
+    assert "timeline: step " in printed and "exposed comm" in printed, printed
+    for rank in (0, 1):
+        assert (out / f"timeline.rank{rank}.json").is_file()
+        assert (out / f"timeline.rank{rank}.png").is_file()
+    assert all(math.isfinite(x) for x in summary["history"]["train"])
 
 
 def test_same_seed_same_losses(tmp_path, data_file, plain_losses):
