@@ -174,6 +174,7 @@ class Source:
         sizes = tuple(b.stop - b.start for b in box)
         if not (
             out is not None
+            and type(out) in (torch.Tensor, torch.nn.Parameter)  # not a tensor subclass
             and out.dtype == entry.dtype
             and out.device.type == "cpu"
             and out.is_contiguous()

@@ -6,6 +6,8 @@ unsharded reference built under the same seed. The model is a tiny ``fsdp2.model
 (int64, 0-dim int64, empty, fp32) and a (3, 2) parameter that leaves empty shards on 4 ranks;
 ``tp_models.TPModel`` for FSDP + TP. Checked:
 
+* torchao float8 training weights (float8 all-gather): saved as their fp32 values, loaded
+  back into the ``WeightWithDynamicFloat8CastTensor`` shards, same outputs;
 * round trip on 2 and 4 ranks (FSDP, several files): load into a meta-device model (``rope``
   built on the CPU first, optimizer built before the load) and into a materialised one: same
   parameter objects, nothing left on meta, full parameters and buffers and the logits equal
@@ -86,6 +88,7 @@ from tp_models import TPModel, make_meshes, parallelize, tp_batch, tp_loss
 
 import fsdp2
 import fsdp2._ckpt_files
+from fsdp2 import fully_shard
 from fsdp2.checkpoint import LoadResult, load_full_checkpoint, save_full_checkpoint
 from fsdp2.models.llama import Llama, LlamaConfig
 
@@ -1146,3 +1149,47 @@ def _unsavable_tensor(root: str) -> None:
 
 def test_save_unsavable_tensor(tmp_path) -> None:
     run_on_ranks(2, _unsavable_tensor, str(tmp_path), timeout=60)
+
+
+def _float8_round_trip(root: str) -> None:
+    """torchao float8 training weights (``WeightWithDynamicFloat8CastTensor`` local shards,
+    float8 all-gather): saved as their high-precision values, loaded back into the subclass
+    (through a temporary: the subclass is never read into directly)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    def build(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.Linear(64, 32, bias=False))
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+        convert_to_float8_training(model, config=config)
+        for layer in model:
+            fully_shard(layer, mesh=world_mesh())
+        fully_shard(model, mesh=world_mesh())
+        return model
+
+    source, target = build(0), build(1)
+    local = source[0].weight.to_local()
+    assert isinstance(local, WeightWithDynamicFloat8CastTensor), type(local)
+    save_full_checkpoint(source, root)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        from safetensors.torch import load_file
+
+        saved = load_file(os.path.join(root, "model.safetensors"))
+        assert sorted(saved) == ["0.weight", "1.weight"], sorted(saved)
+        assert all(t.dtype == torch.float32 for t in saved.values())
+    load_full_checkpoint(target, root)
+    for (name, a), (_, b) in zip(source.named_parameters(), target.named_parameters(), strict=True):
+        assert isinstance(b.to_local(), WeightWithDynamicFloat8CastTensor), name
+        assert torch.equal(full_value(a), full_value(b)), name
+    x = torch.randn(4, 32)
+    assert torch.equal(source(x), target(x))
+
+
+def test_float8_weights_round_trip(tmp_path) -> None:
+    run_on_ranks(2, _float8_round_trip, str(tmp_path))
