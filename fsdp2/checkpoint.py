@@ -30,7 +30,7 @@ into and out of a sharded model, with bounded memory on every rank.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
 import torch
@@ -108,6 +108,22 @@ def _rename(key_map: KeyMap | None, name: str) -> str | None:
     if callable(key_map):
         return key_map(name)
     return key_map.get(name, name)
+
+
+def _renamed(names: Iterable[str], key_map: KeyMap | None, who: str) -> dict[str, str]:
+    """``{new name: name}`` for every name ``key_map`` keeps, in order; two names mapped to
+    one are a ``ValueError``."""
+    out: dict[str, str] = {}
+    for name in names:
+        new = _rename(key_map, name)
+        if new is None:
+            continue
+        if new in out:
+            raise ValueError(
+                f"{who}: {out[new]!r} and {name!r} both map to {new!r}: fix the key_map"
+            )
+        out[new] = name
+    return out
 
 
 def _reshard(model: nn.Module) -> None:
@@ -235,18 +251,8 @@ def _match(
     """``{model name: checkpoint name}`` for every tensor the checkpoint provides (tied
     tensors from their first name if present, else another one), and the unexpected names."""
     plan: dict[str, str] = {}
-    by_target: dict[str, str] = {}
     unexpected = []
-    for ckpt_name in source.entries:
-        target = _rename(key_map, ckpt_name)
-        if target is None:
-            continue
-        if target in by_target:
-            raise ValueError(
-                f"checkpoint tensors {by_target[target]!r} and {ckpt_name!r} both map to "
-                f"{target!r}: fix the key_map"
-            )
-        by_target[target] = ckpt_name
+    for target, ckpt_name in _renamed(source.entries, key_map, "load_full_checkpoint").items():
         first = named.aliases.get(target, target)
         if first not in named.tensors:
             unexpected.append(ckpt_name)
@@ -359,19 +365,10 @@ def _save_specs(
     named: _Named, key_map: KeyMap | None, dtype: torch.dtype | None
 ) -> dict[str, Spec]:
     specs: dict[str, Spec] = {}
-    sources: dict[str, str] = {}
-    for name, tensor in named.tensors.items():
-        ckpt_name = _rename(key_map, name)
-        if ckpt_name is None:
-            continue
-        if ckpt_name in specs:
-            raise ValueError(
-                f"save_full_checkpoint: {sources[ckpt_name]!r} and {name!r} both map to "
-                f"{ckpt_name!r}: fix the key_map"
-            )
+    for ckpt_name, name in _renamed(named.tensors, key_map, "save_full_checkpoint").items():
+        tensor = named.tensors[name]
         out = dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype
         st_dtype(out, f"save_full_checkpoint: {name}")
         plain(_local(tensor), name)  # a subclass without plain values: TypeError on every rank
         specs[ckpt_name] = Spec(name, tensor, tensor.shape, out)
-        sources[ckpt_name] = name
     return specs
