@@ -15,6 +15,7 @@ writes it, the writer thread, agreement on errors and publication.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
@@ -32,6 +33,7 @@ from ._ckpt_files import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, StreamWriter
 
 __all__ = [
     "Spec",
+    "check_same_plan",
     "gather_to",
     "plain",
     "parse_size",
@@ -289,6 +291,39 @@ def parse_size(size: int | str) -> int:
     raise ValueError(
         f"save_full_checkpoint: max_shard_size must be a positive number of bytes or a size "
         f"like '5GB' or '500MiB', got {size!r}"
+    )
+
+
+def check_same_plan(files: list[tuple[str, list[tuple[str, Spec]]]], n_writers: int) -> None:
+    """Raise ``ValueError`` on every rank, before any tensor is gathered, unless every rank
+    is about to write the same files with the same tensors (names, shapes, dtypes): ranks
+    with different models, key maps or arguments would otherwise gather mismatched tensors
+    (a hang, or a garbled file). One small collective."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    plan: list[Any] = [("writers", n_writers)] + [
+        (file, name, tuple(s.shape), str(s.dtype)) for file, members in files for name, s in members
+    ]
+    digest = hashlib.sha256(repr(plan).encode()).hexdigest()
+    digests: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) == 1:
+        return
+    plans: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(plans, plan)
+    diffs = []
+    for r, other in enumerate(plans):
+        if other == plans[0]:
+            continue
+        pairs = enumerate(zip(plans[0], other, strict=False))
+        k = next((i for i, (a, b) in pairs if a != b), None)
+        if k is None:
+            diffs.append(f"rank {r} has {len(other) - 1} tensors, rank 0 {len(plans[0]) - 1}")
+        else:
+            diffs.append(f"rank 0 has {plans[0][k]!r} where rank {r} has {other[k]!r}")
+    raise ValueError(
+        "save_full_checkpoint: the ranks would write different checkpoints (different models, "
+        "key_map, path, dtype, max_shard_size or writers?): " + "; ".join(diffs)
     )
 
 

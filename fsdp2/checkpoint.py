@@ -44,7 +44,14 @@ from ._ckpt_files import (
     open_source,
     st_dtype,
 )
-from ._ckpt_save import Spec, parse_size, plain, plan_files, write_checkpoint
+from ._ckpt_save import (
+    Spec,
+    check_same_plan,
+    parse_size,
+    plain,
+    plan_files,
+    write_checkpoint,
+)
 from ._seam import compute_device, managed_params
 
 __all__ = ["KeyMap", "LoadResult", "load_full_checkpoint", "save_full_checkpoint"]
@@ -333,7 +340,9 @@ def save_full_checkpoint(
 
     Raises:
         ValueError / TypeError: bad arguments, a model still on the meta device, two names
-            mapped to one; raised on every rank before any collective.
+            mapped to one: raised before any collective. ``ValueError`` on every rank, before
+            any tensor is gathered, if the ranks would write different checkpoints
+            (different models, key maps or arguments on some rank).
         RuntimeError: a rank failed to write (on every rank, naming it); nothing is published.
     """
     limit = parse_size(max_shard_size)
@@ -357,7 +366,7 @@ def save_full_checkpoint(
         raise ValueError(f"save_full_checkpoint: {', '.join(on_meta)} are on the meta device")
     specs = _save_specs(named, key_map, dtype)
     files = plan_files(specs, limit, path, single_file)
-
+    check_same_plan(files, n_writers)
     return write_checkpoint(path, files, n_writers, rank, single_file)
 
 

@@ -6,6 +6,8 @@ unsharded reference built under the same seed. The model is a tiny ``fsdp2.model
 (int64, 0-dim int64, empty, fp32) and a (3, 2) parameter that leaves empty shards on 4 ranks;
 ``tp_models.TPModel`` for FSDP + TP. Checked:
 
+* ranks that would write different checkpoints (another width on rank 1; another
+  ``max_shard_size``): ``ValueError`` on every rank naming the difference, nothing written;
 * torchao float8 training weights (float8 all-gather): saved as their fp32 values, loaded
   back into the ``WeightWithDynamicFloat8CastTensor`` shards, same outputs;
 * round trip on 2 and 4 ranks (FSDP, several files): load into a meta-device model (``rope``
@@ -1193,3 +1195,36 @@ def _float8_round_trip(root: str) -> None:
 
 def test_float8_weights_round_trip(tmp_path) -> None:
     run_on_ranks(2, _float8_round_trip, str(tmp_path))
+
+
+def _disagreeing_ranks(root: str, case: str) -> str:
+    """Ranks that would write different checkpoints: ``ValueError`` on every rank before any
+    tensor is gathered (no hang, no file)."""
+    rank = dist.get_rank()
+    out = 6 if case != "width" or rank == 0 else 8
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, out), nn.Linear(out, 2))
+    for layer in model:
+        fully_shard(layer, mesh=world_mesh())
+    fully_shard(model, mesh=world_mesh())
+    kw = {"max_shard_size": 100 if case == "max_shard_size" and rank == 1 else 10_000}
+    try:
+        save_full_checkpoint(model, root, **kw)
+    except ValueError as e:
+        message = str(e)
+    else:
+        message = ""
+    dist.barrier()
+    assert not os.path.exists(root), "nothing is written"
+    return message
+
+
+@pytest.mark.parametrize("case", ["width", "max_shard_size"])
+def test_save_ranks_that_disagree(tmp_path, case) -> None:
+    root = str(tmp_path / "ckpt")
+    for message in run_on_ranks(2, _disagreeing_ranks, root, case, timeout=60):
+        assert "the ranks would write different checkpoints" in message, message
+        if case == "width":
+            assert "'0.weight', (6, 4)" in message and "'0.weight', (8, 4)" in message, message
+        else:
+            assert "model.safetensors" in message and "model-00001-of" in message, message
