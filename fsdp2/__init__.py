@@ -20,6 +20,7 @@ from .fully_shard import (
     register_fsdp_forward_method,
     share_comm_ctx,
 )
+from .memory import MemoryEstimate, estimate_memory
 from .profiling import Timeline, timeline
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "Comm",
     "DataParallelMeshDims",
     "FSDPModule",
+    "MemoryEstimate",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "ReduceScatter",
@@ -35,6 +37,7 @@ __all__ = [
     "UnshardHandle",
     "checkpoint",
     "clip_grad_norm_",
+    "estimate_memory",
     "fully_shard",
     "is_debug",
     "optim",

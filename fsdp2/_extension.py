@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ._storage import alloc_storage as _alloc
 from ._storage import free_storage as _free
@@ -67,8 +68,8 @@ def is_plain(t: torch.Tensor) -> bool:
     """Whether ``t`` behaves as plain data: ``torch.Tensor``/``nn.Parameter`` or a
     subclass that overrides neither ``__torch_function__`` nor ``__torch_dispatch__``."""
     cls = type(t)
-    if cls is torch.Tensor or cls is nn.Parameter:
-        return True
+    if cls is torch.Tensor or cls is nn.Parameter or isinstance(t, FakeTensor):
+        return True  # a FakeTensor stands for a plain tensor (fsdp2.estimate_memory)
     return (
         _func(cls.__torch_function__) in _PLAIN_TORCH_FUNCTION
         and cls.__torch_dispatch__ is _PLAIN_TORCH_DISPATCH

@@ -25,10 +25,16 @@ __all__ = ["PREFIX", "hook", "label"]
 PREFIX = "fsdp2::"
 _OFF: AbstractContextManager[Any] = nullcontext()
 
+# While ``fsdp2.estimate_memory`` simulates a step: its tracker, told of every label and
+# hook so it can sort the memory allocated inside them (see fsdp2/memory.py).
+watch: Any = None
+
 
 def label(kind: str, what: str | Callable[[], str]) -> AbstractContextManager[Any]:
     """``record_function("fsdp2::<kind> <what>")`` while a profiler runs, else nothing
     (``what`` may be a function, called only then)."""
+    if watch is not None:
+        return watch.label(kind)  # type: ignore[no-any-return]
     if torch._C._autograd._profiler_enabled():
         return record_function(f"{PREFIX}{kind} {what() if callable(what) else what}")
     return _OFF
@@ -44,6 +50,9 @@ def hook(kind: str) -> Callable[[_F], _F]:
     def deco(fn: _F) -> _F:
         @functools.wraps(fn)
         def labelled(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if watch is not None:
+                with watch.hook(kind, self):
+                    return fn(self, *args, **kwargs)
             if torch._C._autograd._profiler_enabled():
                 what = self.group.path if self.group is not None else type(self.modules[0]).__name__
                 with record_function(f"{PREFIX}hook {kind} {what}"):

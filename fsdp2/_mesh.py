@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
@@ -45,6 +46,8 @@ def device_of(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cpu":
         return torch.device("cpu")
     module = torch.get_device_module(mesh.device_type)
+    if not module.is_available():  # fsdp2.estimate_memory planning for GPUs on a laptop
+        return torch.device(mesh.device_type, 0)
     return torch.device(mesh.device_type, module.current_device())
 
 
@@ -228,6 +231,15 @@ def shard_mesh(info: MeshInfo) -> DeviceMesh:
     return DeviceMesh.from_group(info.shard_group, mesh.device_type)
 
 
+def _shard_rows(info: MeshInfo) -> list[list[int]]:
+    """The mesh's ranks, one list per shard group. The mesh's rank tensor is a real
+    tensor: read it outside ``fsdp2.estimate_memory``'s fake mode (where torch ops on it
+    would make fake tensors without values)."""
+    with unset_fake_temporarily():
+        rows: list[list[int]] = info.mesh.mesh.reshape(-1, info.shard_size).tolist()
+    return rows
+
+
 def post_forward_group(info: MeshInfo, reshard_size: int) -> tuple[dist.ProcessGroup, int]:
     """The group of ``reshard_size`` consecutive shard ranks this rank belongs to
     (for ``reshard_after_forward=int``), and this rank's index in it.
@@ -238,7 +250,7 @@ def post_forward_group(info: MeshInfo, reshard_size: int) -> tuple[dist.ProcessG
     """
     cache = mesh_cache(info.mesh).block_groups
     if reshard_size not in cache:
-        rows = info.mesh.mesh.reshape(-1, info.shard_size).tolist()
+        rows = _shard_rows(info)
         cache[reshard_size] = [
             (tuple(row[i : i + reshard_size]), dist.new_group(row[i : i + reshard_size]))
             for row in rows
@@ -257,7 +269,7 @@ def separate_shard_group(info: MeshInfo) -> dist.ProcessGroup:
     cached on the mesh like ``post_forward_group``."""
     cache = mesh_cache(info.mesh)
     if cache.separate_group is None:
-        for row in info.mesh.mesh.reshape(-1, info.shard_size).tolist():
+        for row in _shard_rows(info):
             group = dist.new_group(row)
             if dist.get_rank() in row:
                 cache.separate_group = group

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -245,7 +246,10 @@ class ParamGroup:
                 if old.device == view.device and old.dtype == view.dtype:
                     old.data = view
                 else:  # e.g. meta -> cpu: .data cannot change the tensor type
-                    torch.utils.swap_tensors(old, nn.Parameter(view, old.requires_grad))
+                    new = nn.Parameter(view, old.requires_grad)
+                    if _fake(new):
+                        _forget_fake(old, new)
+                    torch.utils.swap_tensors(old, new)
         _free(un)
         if self.small is not None:
             self.small = SmallShard(self, self.small.size)
@@ -298,12 +302,12 @@ class ParamGroup:
             self._pending_ag = self.small.all_gather()
             self._pending_ag_small = True
             return
-        flat = self.gather_input()
-        if self.ext_params:
-            flat = X.pack_inputs(self, flat)
-        pg = self.info.shard_group
-        D.check("all-gather", self.path, flat.numel() * self.world, flat.dtype, pg)
         with label("all_gather issue", self.path):
+            flat = self.gather_input()
+            if self.ext_params:
+                flat = X.pack_inputs(self, flat)
+            pg = self.info.shard_group
+            D.check("all-gather", self.path, flat.numel() * self.world, flat.dtype, pg)
             self.gather_issued(C.all_gather(flat, pg, self.world, self.gather.comm))
 
     def gather_input(self) -> torch.Tensor:
@@ -479,6 +483,20 @@ class ParamGroup:
                 p.unsharded.grad = None
         self.acc_grads.clear()
         self.partial_reduce = None
+
+
+def _fake(t: torch.Tensor) -> bool:
+    return isinstance(t, FakeTensor)  # fsdp2.estimate_memory's simulated step
+
+
+def _forget_fake(*ts: torch.Tensor) -> None:
+    """Drop ``ts`` from their fake mode's conversion memo, whose weak references would make
+    ``swap_tensors`` refuse them (fsdp2.estimate_memory's simulated step)."""
+    for t in ts:
+        if isinstance(t, FakeTensor):
+            memo = t.fake_mode.fake_tensor_converter.meta_converter.tensor_memo
+            for key in [k for k, v in memo.items() if v is t]:
+                del memo[key]
 
 
 def _swap(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

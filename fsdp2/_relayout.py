@@ -132,11 +132,11 @@ def resync_after_apply(group: ParamGroup) -> None:
         return
     locals_ = [p.sharded._local_tensor for p in group.flat_params]
     flat = group.sharded_flat
-    ptr = flat.untyped_storage().data_ptr()
+    storage = flat.untyped_storage()._cdata  # its identity (fake tensors have no data_ptr)
     if all(
         t.dtype == flat.dtype
         and t.device == flat.device
-        and (t.is_meta or t.untyped_storage().data_ptr() == ptr)
+        and (t.is_meta or t.untyped_storage()._cdata == storage)
         for t in locals_
     ):
         return

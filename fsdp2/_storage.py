@@ -3,7 +3,13 @@ every view of it) stays valid. See [Note: flat storage] in _param.py."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+# While ``fsdp2.estimate_memory`` simulates a step: its tracker, told of every resize
+# (resizing a storage is not an operator its dispatch mode sees).
+watch: Any = None
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -11,6 +17,8 @@ def free_storage(t: torch.Tensor) -> None:
     storage = t.untyped_storage()
     if storage.nbytes() and t.device.type != "meta":
         storage.resize_(0)
+        if watch is not None:
+            watch.resized(t)
 
 
 def alloc_storage(t: torch.Tensor) -> None:
@@ -19,6 +27,8 @@ def alloc_storage(t: torch.Tensor) -> None:
     nbytes = t.numel() * t.element_size()
     if storage.nbytes() != nbytes and t.device.type != "meta":
         storage.resize_(nbytes)
+        if watch is not None:
+            watch.resized(t)
 
 
 def contiguous_stride(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:

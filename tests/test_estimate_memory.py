@@ -1,0 +1,326 @@
+"""``fsdp2.estimate_memory``: a training step simulated on fake tensors over a fake process
+group, its peak against the measured one, and what a planning user relies on.
+
+* Accuracy: the estimate is within 10% of the peak measured on real gloo ranks with the
+  benchmarks' sampler (``benchmarks/_memory.py``: persistent state + the C heap's
+  high-water mark during the step) for an MLP stack (fp32 and bf16, ``reshard_after_forward``
+  True / False / 2, activation checkpointing, 2 and 4 ranks, HSDP 2x2) and a small Llama.
+  The larger table is ``benchmarks/estimate.py`` (docs/benchmarks.md).
+* Planning: a world size larger than the machine's processes, a model too big for this
+  machine (nothing is allocated), the parts add up to the peak, the alternatives
+  (``reshard_after_forward``), optimizers' state sizes, a ``build(mesh)`` function, the
+  printed table, and the process group and engine watchers put back afterwards.
+* Errors: an already sharded model, a bad mesh shape, an unknown optimizer, an output
+  that is no loss, a real process group already initialized.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from _harness import run_on_ranks
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import init_device_mesh
+
+import fsdp2
+from fsdp2 import _labels, _storage
+from fsdp2.memory import PARTS
+from fsdp2.models import Llama, LlamaConfig
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from _memory import peak_step_bytes  # noqa: E402
+
+MiB = 2**20
+DIM, BATCH = 512, 256
+LLAMA = LlamaConfig(vocab_size=128, dim=128, n_layers=2, n_heads=4, max_seq_len=128)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int = DIM, layers: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).square().mean()
+
+
+def _build(kind: str, ac: bool) -> nn.Module:
+    model: nn.Module = MLP() if kind == "mlp" else Llama(LLAMA)
+    if ac:
+        for i, block in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(block)
+    return model
+
+
+def _batch(kind: str, device: str | None = None) -> tuple[torch.Tensor, ...]:
+    if kind == "mlp":
+        return (torch.randn(BATCH, DIM, device=device),)
+    tok = torch.randint(0, LLAMA.vocab_size, (4, LLAMA.max_seq_len), device=device)
+    return tok, tok
+
+
+def _mp(bf16: bool) -> fsdp2.MixedPrecisionPolicy:
+    if bf16:
+        return fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return fsdp2.MixedPrecisionPolicy()
+
+
+def _step(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return model(*batch)
+
+
+def _measure(
+    kind: str, mesh_shape: tuple[int, ...], reshard: bool | int, bf16: bool, ac: bool
+) -> int:
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", mesh_shape)
+    model = _build(kind, ac)
+    for block in model.layers:
+        fsdp2.fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=_mp(bf16))
+    fsdp2.fully_shard(model, mesh=mesh, mp_policy=_mp(bf16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        _step(model, _batch(kind)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    step()
+    dist.barrier()
+    return peak_step_bytes(step, model, opt)
+
+
+def _estimate(
+    kind: str, mesh_shape: tuple[int, ...], reshard: bool | int, bf16: bool, ac: bool
+) -> fsdp2.MemoryEstimate:
+    with torch.device("meta"):
+        model = _build(kind, ac)
+    return fsdp2.estimate_memory(
+        model,
+        _batch(kind, "meta"),
+        mesh_shape=mesh_shape,
+        device="cpu",
+        reshard_after_forward=reshard,
+        mp_policy=_mp(bf16),
+        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+        step_fn=_step,
+        compare=False,
+    )
+
+
+ACCURACY = [
+    # kind, mesh shape, reshard_after_forward, bf16, activation checkpointing
+    ("mlp", (2,), True, False, False),
+    ("mlp", (2,), False, False, False),
+    ("mlp", (2,), True, True, False),
+    ("mlp", (2,), True, False, True),
+    ("mlp", (4,), 2, False, False),
+    ("mlp", (2, 2), True, True, False),
+    ("llama", (2,), True, False, False),
+]
+
+
+@pytest.mark.parametrize("kind,shape,reshard,bf16,ac", ACCURACY)
+def test_estimate_within_10_percent_of_measured_peak(
+    kind: str, shape: tuple[int, ...], reshard: bool | int, bf16: bool, ac: bool
+) -> None:
+    est = _estimate(kind, shape, reshard, bf16, ac)
+    world = int(torch.tensor(shape).prod())
+    measured = run_on_ranks(world, _measure, kind, shape, reshard, bf16, ac, timeout=300)
+    error = (est.peak_bytes - measured[0]) / measured[0]  # rank 0: the largest shards
+    assert abs(error) < 0.10, (
+        f"estimate {est.peak_bytes / MiB:.1f} MiB vs measured {measured[0] / MiB:.1f} MiB "
+        f"({error:+.1%})\n{est}"
+    )
+
+
+# ---- planning ---------------------------------------------------------------------------
+
+
+def _llama(n_layers: int = 2, dim: int = 128) -> Llama:
+    cfg = LlamaConfig(vocab_size=128, dim=dim, n_layers=n_layers, n_heads=4, max_seq_len=64)
+    with torch.device("meta"):
+        return Llama(cfg)
+
+
+def _tokens(batch: int = 2, seq: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    tok = torch.empty(batch, seq, dtype=torch.long, device="meta")
+    return tok, tok
+
+
+def test_parts_add_up_and_name_the_moment() -> None:
+    est = fsdp2.estimate_memory(_llama(), _tokens(), mesh_shape=2, device="cpu", compare=False)
+    assert set(est.parts) == set(PARTS)
+    assert sum(est.parts.values()) == est.peak_bytes
+    n = sum(p.numel() for p in _llama().parameters())
+    # rank 0's shards: about half of every parameter (dim-0 shards, rounded up)
+    assert n * 4 / 2 <= est.parts["parameters (sharded)"] <= n * 4 / 2 * 1.05
+    assert est.parts["optimizer state"] >= 2 * n * 4 / 2  # AdamW: exp_avg, exp_avg_sq
+    assert est.parts["activations"] > 0
+    assert est.when.split(" of ")[0] in ("forward", "backward", "post-backward", "recompute")
+    assert est.world_size == 2 and est.mesh_shape == (2,) and est.device == "cpu"
+    assert est.alternatives == ()
+
+
+def test_world_size_beyond_this_machine_shrinks_the_shards() -> None:
+    small = fsdp2.estimate_memory(_llama(), _tokens(), mesh_shape=2, device="cpu", compare=False)
+    big = fsdp2.estimate_memory(_llama(), _tokens(), mesh_shape=64, device="cpu", compare=False)
+    assert big.world_size == 64
+    ratio = small.parts["parameters (sharded)"] / big.parts["parameters (sharded)"]
+    assert 20 < ratio <= 32  # 32x fewer rows, up to padding
+    assert big.peak_bytes < small.peak_bytes
+    hsdp = fsdp2.estimate_memory(
+        _llama(), _tokens(), mesh_shape=(8, 2), device="cpu", compare=False
+    )
+    assert hsdp.parts["parameters (sharded)"] == small.parts["parameters (sharded)"]
+    assert not dist.is_initialized()  # the fake process group is gone again
+    assert _labels.watch is None and _storage.watch is None
+
+
+def test_a_model_too_big_for_this_machine_allocates_nothing() -> None:
+    # ~5.6B parameters: 22 GiB of fp32 weights alone, on a 24 GiB machine
+    with torch.device("meta"):
+        model = Llama(
+            LlamaConfig(vocab_size=32000, dim=4096, n_layers=24, n_heads=32, max_seq_len=512)
+        )
+    est = fsdp2.estimate_memory(
+        model, _tokens(1, 512), mesh_shape=8, device="cpu", optimizer="sgd", compare=False
+    )
+    n = sum(p.numel() for p in model.parameters())
+    assert n > 5e9
+    assert est.parts["parameters (sharded)"] >= n * 4 / 8
+    assert est.peak_bytes > 4 * 2**30
+
+
+def test_alternatives_cover_reshard_choices() -> None:
+    est = fsdp2.estimate_memory(_llama(3), _tokens(), mesh_shape=4, device="cpu")
+    names = [est.settings] + [a.settings for a in est.alternatives]
+    assert names == ["reshard_after_forward=True", "reshard_after_forward=False"]
+    keep = est.alternatives[0]
+    # without resharding, every block's parameters stay from the forward to its backward
+    assert keep.parts["parameters (unsharded)"] > est.parts["parameters (unsharded)"]
+    assert keep.peak_bytes > est.peak_bytes
+    assert len(keep.unsharded) > len(est.unsharded)
+    table = str(est)
+    assert "reshard_after_forward=False" in table and "activations" in table
+    assert "peak" in table.splitlines()[1]
+
+
+@pytest.mark.parametrize(
+    "optimizer,state_factor", [("sgd", 0), ("sgd_momentum", 1), ("adamw", 2), ("adam", 2)]
+)
+def test_optimizer_state(optimizer: str, state_factor: int) -> None:
+    est = fsdp2.estimate_memory(
+        _llama(), _tokens(), mesh_shape=2, device="cpu", optimizer=optimizer, compare=False
+    )
+    shard = est.parts["parameters (sharded)"]
+    state = est.parts["optimizer state"]
+    # the state is shaped like the local shards (the sharded storage may pad them a bit)
+    assert state_factor * shard * 0.98 <= state <= state_factor * shard + 4096  # + steps
+
+
+def test_build_function_shards_its_own_way() -> None:
+    def build(mesh):  # type: ignore[no-untyped-def]
+        with torch.device("meta"):  # (an initialization reading values needs real ones)
+            model = Llama(
+                LlamaConfig(vocab_size=128, dim=128, n_layers=2, n_heads=4, max_seq_len=64)
+            )
+        fsdp2.fully_shard(model.layers[0], mesh=mesh)  # one block alone, the rest with the root
+        fsdp2.fully_shard(model, mesh=mesh)
+        return model
+
+    est = fsdp2.estimate_memory(build, _tokens(), mesh_shape=2, device="cpu")
+    assert est.settings == "as built"
+    names = [a.settings for a in est.alternatives]
+    assert names == ["reshard_after_forward=True", "reshard_after_forward=False"]
+    assert est.peak_bytes == est.alternatives[0].peak_bytes  # built with the default (True)
+    assert sum(est.parts.values()) == est.peak_bytes
+
+
+def test_custom_step_and_shard_selection() -> None:
+    from fsdp2.models.llama import TransformerBlock
+
+    def step(model, batch):  # type: ignore[no-untyped-def]
+        tokens, targets = batch
+        return F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+
+    est = fsdp2.estimate_memory(
+        _llama(), _tokens(), mesh_shape=2, device="cpu", shard=TransformerBlock, step_fn=step,
+        compare=False,
+    )  # fmt: skip
+    assert est.peak_bytes > 0
+
+
+# ---- errors -----------------------------------------------------------------------------
+
+
+class _DictOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"y": self.lin(x)}
+
+
+def test_errors() -> None:
+    with pytest.raises(ValueError, match="mesh_shape must be"):
+        fsdp2.estimate_memory(_llama(), _tokens(), mesh_shape=(2, 2, 2))
+    with pytest.raises(ValueError, match="mesh_shape must be"):
+        fsdp2.estimate_memory(_llama(), _tokens(), mesh_shape=0)
+    with pytest.raises(ValueError, match="mp_policy apply to a model that estimate_memory"):
+        fsdp2.estimate_memory(
+            lambda mesh: _llama(), _tokens(), mesh_shape=2, mp_policy=fsdp2.MixedPrecisionPolicy()
+        )
+    if not torch.backends.cuda.is_built():
+        with pytest.raises(RuntimeError, match="needs a torch built with CUDA"):
+            fsdp2.estimate_memory(_llama(), _tokens(), mesh_shape=2, device="cuda")
+    with pytest.raises(ValueError, match="unknown optimizer 'lamb'"):
+        fsdp2.estimate_memory(_llama(), _tokens(), mesh_shape=2, optimizer="lamb")
+    with pytest.raises(TypeError, match="step_fn returned a dict, not the loss"):
+        fsdp2.estimate_memory(
+            _llama(), _tokens(), mesh_shape=2, device="cpu", step_fn=lambda m, b: {"x": 1}
+        )
+    with pytest.raises(TypeError, match="pass step_fn="):  # the default step: no loss
+        fsdp2.estimate_memory(
+            _DictOut(), torch.empty(2, 4, device="meta"), mesh_shape=2, device="cpu"
+        )
+    assert not dist.is_initialized()
+    assert _labels.watch is None and _storage.watch is None
+
+
+def _sharded_and_initialized() -> tuple[str, str]:
+    mesh = init_device_mesh("cpu", (2,))
+    model = _llama()
+    fsdp2.fully_shard(model, mesh=mesh)
+    with pytest.raises(ValueError, match="already sharded") as sharded:
+        fsdp2.estimate_memory(model, _tokens(), mesh_shape=2)
+    with pytest.raises(RuntimeError, match="before init_process_group") as initialized:
+        fsdp2.estimate_memory(_llama(), _tokens(), mesh_shape=2, device="cpu")
+    return str(sharded.value), str(initialized.value)
+
+
+def test_errors_with_a_process_group() -> None:
+    sharded, initialized = run_on_ranks(2, _sharded_and_initialized)[0]
+    assert "Llama" in sharded and "build(mesh)" in sharded
+    assert "gloo, 2 ranks" in initialized
