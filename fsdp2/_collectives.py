@@ -114,7 +114,9 @@ def pack_for_reduce_scatter(
     row ``r`` of the result is what rank ``r`` receives after the reduce-scatter."""
     numel = sum(-(-g.size(0) // world_size) * (g.numel() // max(g.size(0), 1)) for g in grads)
     out = _empty(world_size * numel, grads[0], dtype, comm).view(world_size, numel)
-    grads = [g if g.dtype == dtype else g.to(dtype) for g in grads if g.numel()]
+    # _chunk_cat casts into ``out``: no cast copy of the gradients (bf16 gradients reduced
+    # in fp32 would otherwise hold an fp32 copy next to the packed buffer)
+    grads = [g for g in grads if g.numel()]
     if grads:  # empty parameters take no room (and _chunk_cat rejects them)
         torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=out)
     return out
