@@ -151,6 +151,7 @@ class _Tracker(TorchDispatchMode):
         self.entries: dict[int, _Entry] = {}  # by storage identity (its weak cdata)
         self.host: dict[int, _Entry] = {}
         self.upper = 0  # live bytes, counting the dead not yet swept: never below live
+        self.host_upper = 0  # the same on the host
         self.phase = "setup"
         self.where = "setup"
         self.labels: list[str] = []
@@ -171,14 +172,20 @@ class _Tracker(TorchDispatchMode):
         for table in (self.entries, self.host):
             dead = [k for k, e in table.items() if e.ref.expired()]
             for k in dead:
-                if table is self.entries:
-                    self.upper -= table[k].nbytes
+                self._add(table, -table[k].nbytes)
                 del table[k]
 
+    def _add(self, table: dict[int, _Entry], nbytes: int) -> None:
+        if table is self.entries:
+            self.upper += nbytes
+        else:
+            self.host_upper += nbytes
+
     def check_peak(self) -> None:
-        if self.upper <= self.peak:
+        if self.upper <= self.peak and self.host_upper <= self.host_peak:
             return
         self.sweep()
+        self.host_peak = max(self.host_peak, self.host_upper)
         if self.upper <= self.peak:
             return
         self.peak = self.upper
@@ -188,8 +195,6 @@ class _Tracker(TorchDispatchMode):
         self.peak_parts = parts
         self.peak_where = self.where
         self.peak_unsharded = tuple(dict.fromkeys(self.unsharded.values()))
-        host = sum(e.nbytes for e in self.host.values())
-        self.host_peak = max(self.host_peak, host)
 
     def part_now(self) -> str:
         if self.labels:
@@ -216,15 +221,13 @@ class _Tracker(TorchDispatchMode):
         table = self.entries if t.device.type == self.device_type else self.host
         e = table.get(key)
         if e is not None and e.ref.expired():  # a dead storage's address, reused
-            if table is self.entries:
-                self.upper -= e.nbytes
+            self._add(table, -e.nbytes)
             del table[key]
             e = None
         if e is None:
             nbytes = storage.nbytes()
             table[key] = _Entry(ref, nbytes, part or self.part_now())
-            if table is self.entries:
-                self.upper += nbytes
+            self._add(table, nbytes)
         elif move and part is not None:
             e.part = part
 
@@ -237,8 +240,7 @@ class _Tracker(TorchDispatchMode):
         if e is None:
             self.track(t, "parameters (unsharded)")
         else:
-            if table is self.entries:
-                self.upper += nbytes - e.nbytes
+            self._add(table, nbytes - e.nbytes)
             e.nbytes = nbytes
             e.part = "parameters (unsharded)"
         if nbytes:
