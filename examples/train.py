@@ -16,6 +16,10 @@ curve of an uninterrupted one exactly.
 rank under ``--out-dir``, and a one-line summary of compute, exposed communication and fsdp2's
 own time.
 
+``--estimate`` prints, without training, what one rank will hold at the peak of a step with
+these options on ``--mesh`` (default: 2 ranks; any size: nothing is allocated, no process group
+is joined): ``fsdp2.estimate_memory``'s table.
+
 ``--init-from PATH`` starts from a full safetensors (or ``torch.save``) checkpoint instead of a
 random init: the model is built on the meta device, sharded, and each rank reads only its own
 shards (``fsdp2.checkpoint.load_full_checkpoint``). ``--export PATH`` writes the trained model
@@ -40,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from fsdp2 import MixedPrecisionPolicy, fully_shard, timeline
+from fsdp2 import MixedPrecisionPolicy, estimate_memory, fully_shard, timeline
 from fsdp2.checkpoint import load_full_checkpoint, save_full_checkpoint
 from fsdp2.models import Llama, LlamaConfig
 from fsdp2.optim import step_on_local_shards
@@ -131,6 +135,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, _Parser]:
         help="profile step 3 (or the last): OUT_DIR/timeline.rank<r>.json (Perfetto) + .png",
     )
     add("--plot", help="loss-curve PNG (default: OUT_DIR/loss.png; 'none': no plot)")
+    add(
+        "--estimate",
+        action="store_true",
+        help="print the per-rank peak memory of a step on --mesh (default 2) and exit",
+    )
     args = p.parse_args(argv)
     if args.dim % args.heads or (args.dim // args.heads) % 2:
         head = "with an even quotient (the head size)"
@@ -238,9 +247,7 @@ def build_model(args: argparse.Namespace, mesh: DeviceMesh, parser: _Parser) -> 
             model = Llama(cfg)
     else:
         model = Llama(cfg)
-    mp = MixedPrecisionPolicy()
-    if args.dtype == "bf16":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mp = mp_policy(args)
     raf = args.reshard_after_forward
     for block in model.layers:
         fully_shard(block, mesh=mesh, reshard_after_forward=raf, mp_policy=mp)
@@ -413,6 +420,42 @@ def plot_losses(path: str, history: dict) -> str:
     return f"loss plot: {path}"
 
 
+def mp_policy(args: argparse.Namespace) -> MixedPrecisionPolicy:
+    """``--dtype``: fp32, or bf16 compute with fp32 gradient reductions."""
+    if args.dtype == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def estimate(args: argparse.Namespace, parser: _Parser) -> dict:
+    """``--estimate``: ``fsdp2.estimate_memory`` for this model, batch, mesh, dtype and
+    ``--reshard-after-forward`` (every block sharded, then the root; AdamW), printed; the
+    returned summary holds it under ``"estimate"``. Needs no process group."""
+    shape = args.mesh or (2,)
+    raf = args.reshard_after_forward
+    if not isinstance(raf, bool) and shape[-1] % raf:
+        parser.error(f"--reshard-after-forward {raf} must divide the shard size {shape[-1]}")
+    cfg = LlamaConfig(
+        dim=args.dim, n_layers=args.layers, n_heads=args.heads, max_seq_len=args.seq_len
+    )
+    with torch.device("meta"):
+        model = Llama(cfg)
+    tokens = torch.empty(args.batch_size, args.seq_len, dtype=torch.long, device="meta")
+    est = estimate_memory(
+        model,
+        (tokens, tokens),  # inputs and targets: the model returns the loss
+        mesh_shape=shape,
+        reshard_after_forward=raf,
+        mp_policy=mp_policy(args),
+        optimizer=lambda ps: step_on_local_shards(
+            torch.optim.AdamW(ps, lr=args.lr, betas=(0.9, 0.95), foreach=True)
+        ),
+    )
+    print(est, flush=True)
+    keys = ("peak_bytes", "parts", "when", "unsharded", "settings", "world_size", "device")
+    return {"estimate": {k: getattr(est, k) for k in keys}}
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Train; return the summary that ``OUT_DIR/metrics.json`` holds (on every rank).
 
@@ -420,6 +463,8 @@ def main(argv: list[str] | None = None) -> dict:
     destroys it at the end. Bad options exit with status 2 and a message on rank 0.
     """
     args, parser = parse_args(argv)
+    if args.estimate:
+        return estimate(args, parser)
     device, owns_group = init_distributed()
     try:
         return train(args, parser, device)

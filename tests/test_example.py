@@ -5,9 +5,9 @@ writes its outputs; that the same seed gives the same losses; that resuming from
 checkpoint of a 6-step run repeats that run's losses bitwise (and a model of another width
 is refused with a clear message); that mesh shapes (FSDP, HSDP both ways), gradient
 accumulation and ``reshard_after_forward=False`` give the same losses as the plain run (up to
-float rounding); that bf16 trains; that ``--export`` / ``--init-from`` round-trip the weights
-and ``--timeline`` writes a step's trace and chart; and that bad options exit with status 2
-and a message on rank 0 naming the option.
+float rounding); that bf16 trains; that ``--export`` / ``--init-from`` round-trip the weights,
+``--timeline`` writes a step's trace and chart and ``--estimate`` prints a memory estimate;
+and that bad options exit with status 2 and a message on rank 0 naming the option.
 """
 
 from __future__ import annotations
@@ -157,6 +157,17 @@ def test_timeline_option(tmp_path, data_file):
         assert (out / f"timeline.rank{rank}.json").is_file()
         assert (out / f"timeline.rank{rank}.png").is_file()
     assert all(math.isfinite(x) for x in summary["history"]["train"])
+
+
+def test_estimate_option():
+    """``--estimate`` prints the per-rank peak for the options on ``--mesh`` and trains
+    nothing (in this process: it needs no process group)."""
+    summary, printed = _run([*TINY, "--estimate", "--mesh", "16", "--dtype", "bf16"])
+    est = summary["estimate"]
+    assert est["world_size"] == 16 and est["peak_bytes"] == sum(est["parts"].values())
+    assert "fsdp2 memory estimate: rank 0 of 16" in printed
+    assert "reshard_after_forward=False" in printed  # the alternatives' table
+    assert not torch.distributed.is_initialized()
 
 
 def test_same_seed_same_losses(tmp_path, data_file, plain_losses):
