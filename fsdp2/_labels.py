@@ -1,6 +1,7 @@
 """Profiler labels: ``record_function`` ranges around the engine's work, so any
-``torch.profiler`` trace shows per group "fsdp2::all_gather issue layers.3", "fsdp2::all_gather
-wait ...", "fsdp2::copy_out ...", "fsdp2::reduce_scatter pack/issue/wait ...",
+``torch.profiler`` trace shows per group "fsdp2::copy_in layers.3" (the all-gather input: a
+cast to ``param_dtype``, CPU offload's host-to-device copy), "fsdp2::all_gather issue ...",
+"fsdp2::all_gather wait ...", "fsdp2::copy_out ...", "fsdp2::reduce_scatter pack/issue/wait ...",
 "fsdp2::all_reduce issue/wait ...", "fsdp2::reshard ..." inside the hooks' own ranges
 ("fsdp2::hook pre_forward layers.3", ..., "fsdp2::hook final_callback"), next to the
 model's own ops.

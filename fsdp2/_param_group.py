@@ -247,8 +247,7 @@ class ParamGroup:
                     old.data = view
                 else:  # e.g. meta -> cpu: .data cannot change the tensor type
                     new = nn.Parameter(view, old.requires_grad)
-                    if _fake(new):
-                        _forget_fake(old, new)
+                    _forget_fake(old, new)
                     torch.utils.swap_tensors(old, new)
         _free(un)
         if self.small is not None:
@@ -302,12 +301,13 @@ class ParamGroup:
             self._pending_ag = self.small.all_gather()
             self._pending_ag_small = True
             return
-        with label("all_gather issue", self.path):
+        with label("copy_in", self.path):
             flat = self.gather_input()
             if self.ext_params:
                 flat = X.pack_inputs(self, flat)
-            pg = self.info.shard_group
-            D.check("all-gather", self.path, flat.numel() * self.world, flat.dtype, pg)
+        pg = self.info.shard_group
+        D.check("all-gather", self.path, flat.numel() * self.world, flat.dtype, pg)
+        with label("all_gather issue", self.path):
             self.gather_issued(C.all_gather(flat, pg, self.world, self.gather.comm))
 
     def gather_input(self) -> torch.Tensor:
@@ -483,10 +483,6 @@ class ParamGroup:
                 p.unsharded.grad = None
         self.acc_grads.clear()
         self.partial_reduce = None
-
-
-def _fake(t: torch.Tensor) -> bool:
-    return isinstance(t, FakeTensor)  # fsdp2.estimate_memory's simulated step
 
 
 def _forget_fake(*ts: torch.Tensor) -> None:

@@ -133,12 +133,14 @@ class StepContext:
         if len(bucket) == 1:
             g.unshard()
             return
-        with label("all_gather issue", lambda: "bucket " + ", ".join(h.path for h in bucket)):
+        paths = lambda: "bucket " + ", ".join(h.path for h in bucket)  # noqa: E731
+        with label("copy_in", paths):
             inputs = [h.gather_input() for h in bucket]
-            if D.is_debug():
-                what = "the bucket of " + ", ".join(h.path for h in bucket)
-                numel = sum(x.numel() for x in inputs) * g.world
-                D.check("all-gather", what, numel, inputs[0].dtype, key[0])
+        if D.is_debug():
+            what = "the bucket of " + ", ".join(h.path for h in bucket)
+            numel = sum(x.numel() for x in inputs) * g.world
+            D.check("all-gather", what, numel, inputs[0].dtype, key[0])
+        with label("all_gather issue", paths):
             pendings = C.all_gather_bucket(inputs, key[0], g.world)
         for h, pending in zip(bucket, pendings, strict=True):
             h.gather_issued(pending)

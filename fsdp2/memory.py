@@ -51,22 +51,21 @@ PARTS = (
 
 # [Note: simulated step]
 # Every storage the step creates gets a part when it is allocated, from where the
-# engine is: inside an all-gather, copy-out, reshard, reduce-scatter or all-reduce label
-# (fsdp2/_labels.py) it is a communication buffer; in a forward it is an activation; in a
-# backward, outside the engine's labels, an activation's gradient (counted with the
-# activations); in the optimizer step, optimizer state (its temporaries included); before
-# the forward, "other" (the batch). The unsharded parameters are the storages fsdp2
-# resizes (fsdp2/_storage.py tells the tracker). Two parts are known only later, and
-# move when they become known: a parameter's unsharded gradient (autograd allocates it
-# in the backward; it moves to "gradients (unsharded)" when the group's post-backward
-# hook takes it) and a reduce-scatter's output (moves to "gradients (sharded)" once it is
-# the sharded ``.grad``). What exists when the measured step starts is sorted by identity:
-# the sharded parameters and buffers, gradients, the optimizer's state.
+# engine is: inside any of its labels (fsdp2/_labels.py: copy-in, all-gather, copy-out,
+# reshard, reduce-scatter, all-reduce) it is a communication buffer; in a forward it is
+# an activation; in a backward, outside the engine's labels, an activation's gradient
+# (counted with the activations); in the optimizer step, optimizer state (its temporaries
+# included); before the forward, "other" (the batch). The unsharded parameters are the
+# storages fsdp2 resizes (fsdp2/_storage.py tells the tracker). Two parts are known only
+# later, and move when they become known: a parameter's unsharded gradient (autograd
+# allocates it in the backward; it moves to "gradients (unsharded)" when the group's
+# post-backward hook takes it) and a reduce-scatter's output (moves to "gradients
+# (sharded)" once it is the sharded ``.grad``). What exists when the measured step starts
+# is sorted by identity: the sharded parameters, gradients, the optimizer's state; buffers
+# are "other".
 #
 # The simulated rank is rank 0, whose shards are the largest (dim-0 shards are
 # ``ceil(rows / world)`` rows, the last ranks get fewer or none).
-
-_COMM_LABELS = ("all_gather", "copy_out", "reshard", "reduce_scatter", "all_reduce")
 
 
 def _fmt(n: float) -> str:

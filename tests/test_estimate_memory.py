@@ -35,36 +35,15 @@ from fsdp2.models import Llama, LlamaConfig
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 from _memory import peak_step_bytes  # noqa: E402
+from estimate import MLP  # noqa: E402  (the benchmark's MLP stack)
 
 MiB = 2**20
 DIM, BATCH = 512, 256
 LLAMA = LlamaConfig(vocab_size=128, dim=128, n_layers=2, n_heads=4, max_seq_len=128)
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(dim, 2 * dim)
-        self.down = nn.Linear(2 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(x)))
-
-
-class MLP(nn.Module):
-    def __init__(self, dim: int = DIM, layers: int = 4) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(Block(dim) for _ in range(layers))
-        self.head = nn.Linear(dim, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x).square().mean()
-
-
 def _build(kind: str, ac: bool) -> nn.Module:
-    model: nn.Module = MLP() if kind == "mlp" else Llama(LLAMA)
+    model: nn.Module = MLP(DIM, layers=4) if kind == "mlp" else Llama(LLAMA)
     if ac:
         for i, block in enumerate(model.layers):
             model.layers[i] = checkpoint_wrapper(block)

@@ -1,8 +1,8 @@
 """fsdp2's profiler labels and ``fsdp2.timeline`` (one step as a Chrome trace, a Gantt chart
 and a summary), on 2 and 4 gloo ranks with the Llama of ``fsdp2.models``.
 
-* Labels: under ``torch.profiler`` the step's events hold, per block, ``fsdp2::all_gather
-  issue/wait``, ``fsdp2::copy_out``, ``fsdp2::reshard``, ``fsdp2::reduce_scatter
+* Labels: under ``torch.profiler`` the step's events hold, per block, ``fsdp2::copy_in``,
+  ``fsdp2::all_gather issue/wait``, ``fsdp2::copy_out``, ``fsdp2::reshard``, ``fsdp2::reduce_scatter
   pack/issue/wait``, the hooks (``fsdp2::hook pre_forward layers.0`` ...,
   ``fsdp2::hook final_callback``), and with HSDP ``fsdp2::all_reduce issue/wait``; without
   a profiler ``label`` returns one shared do-nothing context (no string is built).
@@ -67,6 +67,7 @@ def test_profiler_labels(world, layout):
     for i in range(LAYERS):
         block = f"layers.{i}"
         for kind in (
+            "copy_in",
             "all_gather issue",
             "all_gather wait",
             "copy_out",
