@@ -4,7 +4,8 @@ group, its peak against the measured one, and what a planning user relies on.
 * Accuracy: the estimate is within 10% of the peak measured on real gloo ranks with the
   benchmarks' sampler (``benchmarks/_memory.py``: persistent state + the C heap's
   high-water mark during the step) for an MLP stack (fp32 and bf16, ``reshard_after_forward``
-  True / False / 2, activation checkpointing, 2 and 4 ranks, HSDP 2x2) and a small Llama.
+  True / False / 2, activation checkpointing, 2 and 4 ranks, HSDP 2x2), a small Llama and a
+  transformers ``LlamaForCausalLM`` (dict batch, ``.loss``, blocks found by default).
   The larger table is ``benchmarks/estimate.py`` (docs/benchmarks.md).
 * Planning: a world size larger than the machine's processes, a model too big for this
   machine (nothing is allocated), the parts add up to the peak, the alternatives
@@ -303,3 +304,64 @@ def test_errors_with_a_process_group() -> None:
     sharded, initialized = run_on_ranks(2, _sharded_and_initialized)[0]
     assert "Llama" in sharded and "build(mesh)" in sharded
     assert "gloo, 2 ranks" in initialized
+
+
+# ---- a Hugging Face model -----------------------------------------------------------------
+
+
+def _hf_config():  # type: ignore[no-untyped-def]
+    import transformers
+    from transformers import LlamaConfig as HFLlamaConfig
+
+    transformers.logging.set_verbosity_error()
+    return HFLlamaConfig(
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+
+
+def _hf_batch(device: str | None = None) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 2048, (4, 128), device=device)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _measure_hf() -> int:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2,))
+    model = LlamaForCausalLM(_hf_config())
+    for block in model.model.layers:
+        fsdp2.fully_shard(block, mesh=mesh)
+    fsdp2.fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        model(**_hf_batch()).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    step()
+    dist.barrier()
+    return peak_step_bytes(step, model, opt)
+
+
+def test_hugging_face_model_within_10_percent() -> None:
+    """A transformers ``LlamaForCausalLM`` as users hand it over: built on meta, a dict
+    batch, the loss from the output's ``.loss``, blocks found in its ``nn.ModuleList``."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(_hf_config())
+    est = fsdp2.estimate_memory(model, _hf_batch("meta"), mesh_shape=2, device="cpu")
+    assert est.unsharded and all(p.startswith(("the root", "model.layers.")) for p in est.unsharded)
+    measured = run_on_ranks(2, _measure_hf, timeout=300)[0]
+    error = (est.peak_bytes - measured) / measured
+    assert abs(error) < 0.10, f"estimate {est.peak_bytes} vs measured {measured}\n{est}"
