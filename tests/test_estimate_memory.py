@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -77,10 +78,15 @@ def _measure(
     for block in model.layers:
         fsdp2.fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=_mp(bf16))
     fsdp2.fully_shard(model, mesh=mesh, mp_policy=_mp(bf16))
+    return _measured_peak(model, lambda: _step(model, _batch(kind)))
+
+
+def _measured_peak(model: nn.Module, loss: Callable[[], torch.Tensor]) -> int:
+    """This rank's peak of a steady-state step (AdamW, after two warm-up steps)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step() -> None:
-        _step(model, _batch(kind)).backward()
+        loss().backward()
         opt.step()
         opt.zero_grad()
 
@@ -339,17 +345,7 @@ def _measure_hf() -> int:
     for block in model.model.layers:
         fsdp2.fully_shard(block, mesh=mesh)
     fsdp2.fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def step() -> None:
-        model(**_hf_batch()).loss.backward()
-        opt.step()
-        opt.zero_grad()
-
-    step()
-    step()
-    dist.barrier()
-    return peak_step_bytes(step, model, opt)
+    return _measured_peak(model, lambda: model(**_hf_batch()).loss)
 
 
 def test_hugging_face_model_within_10_percent() -> None:
