@@ -625,6 +625,8 @@ def estimate_memory(
     step = step_fn or _default_step
     mp = mp_policy or MixedPrecisionPolicy()
     offload = offload_policy or OffloadPolicy()
+    if isinstance(offload, CPUOffloadPolicy):  # pinned or not, the same bytes (and pinning
+        offload = CPUOffloadPolicy(pin_memory=False)  # needs an accelerator the plan may lack)
 
     def builder(rshd: bool | int, off: OffloadPolicy) -> Callable[[DeviceMesh], nn.Module]:
         assert isinstance(model, nn.Module)
@@ -658,7 +660,7 @@ def estimate_memory(
             name = f"reshard_after_forward={c}" + (", CPU offload" if offloaded else "")
             runs.append((builder(c, offload), None, name))
         if compare and dev != "cpu":  # (on a CPU the offload moves nothing)
-            other = OffloadPolicy() if offloaded else CPUOffloadPolicy()
+            other = OffloadPolicy() if offloaded else CPUOffloadPolicy(pin_memory=False)
             for c in choices:
                 name = f"reshard_after_forward={c}" + ("" if offloaded else ", CPU offload")
                 runs.append((builder(c, other), None, name))

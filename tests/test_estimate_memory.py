@@ -212,6 +212,17 @@ def test_alternatives_cover_reshard_choices() -> None:
     assert "peak" in table.splitlines()[1]
 
 
+def test_cpu_offload_is_simulated() -> None:
+    # On a CPU mesh the offload moves nothing: the same peak, named as such.
+    plain = fsdp2.estimate_memory(_llama(), _tokens(), mesh_shape=2, device="cpu", compare=False)
+    est = fsdp2.estimate_memory(
+        _llama(), _tokens(), mesh_shape=2, device="cpu", compare=False,
+        offload_policy=fsdp2.CPUOffloadPolicy(),  # pinned: simulated unpinned (same bytes)
+    )  # fmt: skip
+    assert est.settings == "reshard_after_forward=True, CPU offload"
+    assert est.peak_bytes == plain.peak_bytes and est.host_peak_bytes == 0
+
+
 @pytest.mark.parametrize(
     "optimizer,state_factor", [("sgd", 0), ("sgd_momentum", 1), ("adamw", 2), ("adam", 2)]
 )
