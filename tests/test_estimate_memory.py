@@ -306,6 +306,17 @@ def test_errors() -> None:
     assert _labels.watch is None and _storage.watch is None
 
 
+def test_a_fake_process_group_of_the_users_is_used_and_kept() -> None:
+    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=4)
+    try:
+        est = fsdp2.estimate_memory(_llama(), _tokens(), mesh_shape=(2, 2), device="cpu")
+        assert est.world_size == 4 and dist.is_initialized()
+        with pytest.raises(RuntimeError, match="fake, 4 ranks"):
+            fsdp2.estimate_memory(_llama(), _tokens(), mesh_shape=8, device="cpu")
+    finally:
+        dist.destroy_process_group()
+
+
 def _sharded_and_initialized() -> tuple[str, str]:
     mesh = init_device_mesh("cpu", (2,))
     model = _llama()
