@@ -46,8 +46,6 @@ def device_of(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cpu":
         return torch.device("cpu")
     module = torch.get_device_module(mesh.device_type)
-    if not module.is_available():  # fsdp2.estimate_memory planning for GPUs on a laptop
-        return torch.device(mesh.device_type, 0)
     return torch.device(mesh.device_type, module.current_device())
 
 

@@ -32,7 +32,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import _debug, _labels, _storage
-from ._state import FSDPState, state_of
+from ._seam import _states, compute_device
+from ._state import FSDPState
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .fully_shard import FSDPModule, fully_shard
 
@@ -449,14 +450,14 @@ def _simulate(
     with fake_mode, _watching(tracker), tracker:
         model = build(mesh)
         if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-            model.to_empty(device=_compute_device(model, device))  # built on meta
+            model.to_empty(device=compute_device(model) or device)  # built on meta
         if reshard is not None:  # every block's, not the root's
             for m in model.modules():
                 if isinstance(m, FSDPModule) and m is not model:
                     m.set_reshard_after_forward(reshard, recurse=False)
         params = [p for p in model.parameters() if p.requires_grad]
         tracker.params = params
-        tracker.states = _states(model)
+        tracker.states = _states(model, recurse=True)
         opt = optimizer(params)
         steps = 2  # the first builds the optimizer's state and learns the prefetch order
         for i in range(steps):
@@ -464,7 +465,7 @@ def _simulate(
                 _sort_persistent(tracker, model, opt)
                 tracker.reset_peak()
             tracker.phase = tracker.where = "setup"
-            b = _fake_batch(batch, _compute_device(model, device))
+            b = _fake_batch(batch, compute_device(model) or device)
             tracker.phase = "forward"
             loss = step_fn(model, b)
             if not isinstance(loss, torch.Tensor):
@@ -493,22 +494,6 @@ def _simulate(
         mesh_shape=shape,
         device=device.type,
     )
-
-
-def _states(model: nn.Module) -> list[FSDPState]:
-    out: list[FSDPState] = []
-    for m in model.modules():
-        st = state_of(m)
-        if st is not None and all(st is not o for o in out):
-            out.append(st)
-    return out
-
-
-def _compute_device(model: nn.Module, default: torch.device) -> torch.device:
-    for st in _states(model):
-        if st.group is not None:
-            return st.group.device
-    return default
 
 
 def _sort_persistent(tracker: _Tracker, model: nn.Module, opt: torch.optim.Optimizer) -> None:
