@@ -133,6 +133,8 @@ def reduce_scatter(
     if world_size == 1:
         return Pending(input.view(-1), None)
     if comm is None and _is_gloo(group, input.device):
+        if world_size == 2 and op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            return _reduce_scatter_by_exchange(input, op, group)
         work = _reduce_scatter_by_all_reduce(input.view(-1), op, group)
         return Pending(input[group.rank()], work, input, copy=True)
     output = _empty(input.size(1), input, input.dtype, comm)
@@ -145,19 +147,60 @@ def reduce_scatter(
 
 # [Note: gloo reduce-scatter]
 # gloo's reduce_scatter_tensor costs about twice an all-reduce of the same input, and
-# blocks the calling thread for part of it: 12 MiB on 2 ranks here took 17-20 ms, 2-8 ms
-# of them in the call, against 10 ms (0.1 ms in the call) for all_reduce, whose rows are
-# bitwise what the reduce-scatter returns (tests/test_gloo_reduce.py holds that at 2 and
-# 4 ranks, SUM and AVG). So on gloo we all-reduce the packed input in place and copy
-# this rank's row out once it is done (the copy lets the packed buffer go: gradients must
-# not keep every rank's rows alive). On the Llama of docs/benchmarks.md that is 0.78-0.93x
-# torch's FSDP2 step instead of 0.90-0.95x. Custom reduce-scatters
-# (``set_custom_reduce_scatter``) are called as they are.
+# blocks the calling thread for part of it: 12 MiB on 2 ranks here took 13-19 ms, against
+# 9-11 ms for all_reduce and 5-6 ms for one send plus one receive of the peer's half
+# (the add included). So on gloo fsdp2 reduce-scatters by its own means:
+# - 2 ranks: each rank sends the peer its row and receives the peer's row of its own,
+#   then adds its own row into the received one (``_Exchange``). a + b is the same bits
+#   in either order, so this is bitwise gloo's result (SUM; AVG divides by 2, exact).
+# - more ranks: an in-place all-reduce of the packed input, then a copy of this rank's
+#   row (the copy lets the packed buffer go: gradients must not keep every rank's rows
+#   alive). gloo's all-reduce rows are bitwise its reduce-scatter's; a sum of our own
+#   over more than two ranks would not be (the order differs).
+# tests/test_gloo_reduce.py holds both at 2 and 4 ranks, SUM and AVG, fp32 and bf16.
+# The exchange's sends carry their own tag, apart from users' point-to-point traffic.
+# Custom reduce-scatters (``set_custom_reduce_scatter``) are called as they are.
 
 
 def _is_gloo(group: dist.ProcessGroup, device: torch.device) -> bool:
     """Whether collectives on ``device`` tensors over ``group`` run on gloo."""
     return device.type == "cpu" and "gloo" in str(dist.get_backend(group))
+
+
+class _Exchange:
+    """Two ranks' reduce-scatter by one send and one receive: ``wait`` adds this rank's own
+    row to the row received from the peer (in place) once both are done."""
+
+    __slots__ = ("works", "recv", "own", "avg")
+
+    def __init__(self, works: list[Any], recv: torch.Tensor, own: torch.Tensor, avg: bool) -> None:
+        self.works, self.recv, self.own, self.avg = works, recv, own, avg
+
+    def wait(self) -> None:
+        if not self.works:
+            return
+        for w in self.works:
+            w.wait()
+        self.works = []
+        self.recv.add_(self.own)  # a + b: the same bits in either order
+        if self.avg:
+            self.recv.div_(2)
+        self.own = self.recv  # drop the packed input
+
+
+_EXCHANGE_TAG = 0x46534450  # p2p tag of fsdp2's exchanges (apart from users' own sends)
+
+
+def _reduce_scatter_by_exchange(input: torch.Tensor, op: Any, group: dist.ProcessGroup) -> Pending:
+    me = group.rank()
+    peer = 1 - me
+    recv = torch.empty_like(input[me])
+    works = [
+        dist.isend(input[peer], group=group, group_dst=peer, tag=_EXCHANGE_TAG),
+        dist.irecv(recv, group=group, group_src=peer, tag=_EXCHANGE_TAG),
+    ]
+    work = _Exchange(works, recv, input[me], op == dist.ReduceOp.AVG)
+    return Pending(recv, work, input)  # type: ignore[arg-type]
 
 
 def _reduce_scatter_by_all_reduce(input: torch.Tensor, op: Any, group: dist.ProcessGroup) -> Any:

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ._labels import hook
 from ._param_group import ParamGroup
-from ._step import LEGAL_MOVES, StepContext, StepPhase, TrainingState, gathers_in_backward
+from ._step import LEGAL_MOVES, StepContext, StepPhase, TrainingState
 from ._tree_checks import check_materialized, validate_tree
 from .api import MixedPrecisionPolicy
 
@@ -266,6 +266,8 @@ class FSDPState:
         assert ctx is not None
         if ctx.phase is not StepPhase.BACKWARD:
             ctx.begin_backward()
+        elif not self.is_root:
+            ctx.cancel_deferred_prefetch()  # another group's backward began: gather as usual
         g = self.group
         if g is None or not g.gather.unshard_in_backward:
             return
@@ -274,9 +276,12 @@ class FSDPState:
         # inputs needed no grad registered no post-backward node): gather again;
         # the final callback reduces what arrives afterwards.
         ctx.unshard(self, backward=True)
-        for nxt in self.bwd_prefetch if self.bwd_prefetch is not None else self.bwd_next:
-            if gathers_in_backward(nxt):
-                ctx.unshard(nxt, backward=True)
+        if self.bwd_prefetch is not None:
+            ctx.prefetch_for_backward(self.bwd_prefetch)
+        elif self.is_root:
+            ctx.defer_prefetch(self.bwd_next, g.grad_params)
+        else:
+            ctx.prefetch_for_backward(self.bwd_next)
         g.wait_for_unshard()
 
     def _post_backward_node_done(self) -> None:

@@ -30,6 +30,20 @@ all-gathers it starts (alone or bucketed), the reductions in flight and the fina
 # next would pass n input bytes, a group of other settings comes (``bucket_key``), or
 # backward ends. Memory: up to two gathered buckets (the one in use and the prefetched
 # one) and one bucket of held gradients, each <= n bytes (a group larger than n alone).
+
+# [Note: root prefetch]
+# The root's backward comes first and, in a language model, holds the loss and the
+# output layer: logits-sized tensors, the step's memory peak. Prefetching the next
+# group's all-gather at the root's pre-backward would add that group's unsharded
+# parameters to the peak. So the root's implicit backward prefetch waits for the first
+# of the root's trainable parameters to get its gradient (a tensor hook on each, removed
+# when one fires): for a Llama that is the output layer's weight, right after its
+# backward. Any other group's pre-backward first (a root whose parameters get gradients
+# last, e.g. an embedding alone) cancels it and gathers as usual; a root with no
+# trainable parameter, or an explicit ``set_modules_to_backward_prefetch`` list, prefetches
+# at once. On the benchmark Llama (docs/benchmarks.md) this takes one block's gathered
+# parameters (12.25 MiB, and gloo's buffer of the same size for the all-gather in
+# flight) off the peak; torch's FSDP2 prefetches at the root's pre-backward.
 """
 
 from __future__ import annotations
@@ -49,6 +63,7 @@ from ._param_group import Sharded
 from ._reduce import Reduction
 
 if TYPE_CHECKING:
+    from ._param import FSDPParam
     from ._state import FSDPState
 
 
@@ -98,6 +113,7 @@ class StepContext:
         self.parts_key: tuple[Any, ...] | None = None
         self.parts_budget = 0
         self.parts_bytes = 0
+        self.deferred: list[Any] = []  # hook handles of the root's deferred prefetch
 
     # ---- all-gathers -----------------------------------------------------------
 
@@ -144,6 +160,33 @@ class StepContext:
             pendings = C.all_gather_bucket(inputs, key[0], g.world)
         for h, pending in zip(bucket, pendings, strict=True):
             h.gather_issued(pending)
+
+    def prefetch_for_backward(self, states: list[FSDPState]) -> None:
+        for nxt in states:
+            if gathers_in_backward(nxt):
+                self.unshard(nxt, backward=True)
+
+    def defer_prefetch(self, states: list[FSDPState], params: list[FSDPParam]) -> None:
+        """The root's implicit backward prefetch, issued when the first of the root's
+        parameters gets its gradient instead of at once; see [Note: root prefetch]."""
+        ts = [p.unsharded for p in params if p.unsharded is not None]
+        ts = [t for t in ts if t.requires_grad]
+        if not states or not ts:
+            self.prefetch_for_backward(states)
+            return
+
+        def fire(_grad: torch.Tensor) -> None:
+            if self.deferred:
+                self.cancel_deferred_prefetch()
+                self.prefetch_for_backward(states)
+
+        self.cancel_deferred_prefetch()
+        self.deferred = [t.register_hook(fire) for t in ts]
+
+    def cancel_deferred_prefetch(self) -> None:
+        for handle in self.deferred:
+            handle.remove()
+        self.deferred = []
 
     # ---- reductions ------------------------------------------------------------
 
@@ -256,6 +299,7 @@ class StepContext:
 
     def reset(self) -> None:
         """Recover from an exception mid-step (``reset_iter_state``)."""
+        self.cancel_deferred_prefetch()
         for r in self.reductions:
             r.pending.wait()
         self.reductions.clear()
@@ -276,6 +320,7 @@ class StepContext:
 
     def _finish_backward(self) -> None:
         D.note_phase("final callback of the backward")
+        self.cancel_deferred_prefetch()
         for st in self.with_group:
             assert st.group is not None
             if st.group.has_unreduced_grads():  # reduce, or (no sync) accumulate

@@ -3,10 +3,10 @@
 ``CommCounter`` wraps ``torch.distributed``'s ``all_gather_single``, ``all_gather_into_tensor``,
 ``reduce_scatter_single``, ``reduce_scatter_tensor`` and ``all_reduce`` (patched on the module
 for the ``with`` block only, then restored) and records each call's kind, group size and input
-numel as a ``Call``. On gloo fsdp2 reduce-scatters by an in-place all-reduce of the same
-input ([Note: gloo reduce-scatter] in fsdp2/_collectives.py); ``is_fsdp2_reduce_scatter``
-tells that all-reduce from others, and the counter records it as ``"RS"`` (with ``api``
-``"all_reduce"``). ``spy_reduce_scatters`` shows a test every reduce-scatter either way.
+numel as a ``Call``. On gloo fsdp2 reduce-scatters by a send/receive exchange (2 ranks) or an
+in-place all-reduce of the same input ([Note: gloo reduce-scatter] in fsdp2/_collectives.py);
+the counter records both as ``"RS"`` (with ``api`` ``"exchange"`` or ``"all_reduce"``;
+``is_fsdp2_reduce_scatter`` tells that all-reduce from others). ``spy_reduce_scatters`` shows a test every reduce-scatter either way.
 Tests may interleave marker strings (``mark``, ``mark_computes``) to record
 when a module computes relative to the collectives. DTensor's ``full_tensor()`` (functional
 collectives) and ``models.full_params`` / ``full_grads`` bypass these patches: tests may check
@@ -80,6 +80,16 @@ class CommCounter(contextlib.AbstractContextManager):
             orig = getattr(dist, api, None)
             if orig is not None:
                 self._stack.enter_context(mock.patch.object(dist, api, self._wrap(api, orig)))
+        exchange = fsdp2_collectives._reduce_scatter_by_exchange
+
+        def counted_exchange(input: torch.Tensor, op: Any, group: dist.ProcessGroup) -> Any:
+            live = group in dist.distributed_c10d._world.pg_map
+            self.events.append(Call("RS", "exchange", 2, input.numel(), self.phase, live))
+            return exchange(input, op, group)
+
+        self._stack.enter_context(
+            mock.patch.object(fsdp2_collectives, "_reduce_scatter_by_exchange", counted_exchange)
+        )
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -158,9 +168,16 @@ def spy_reduce_scatters(
             record(tensor, op, group)
         return ar(tensor, op=op, group=group, async_op=async_op)
 
+    exchange = fsdp2_collectives._reduce_scatter_by_exchange
+
+    def spy_exchange(input: torch.Tensor, op: Any, group: dist.ProcessGroup) -> Any:
+        record(input.view(-1), op, group)
+        return exchange(input, op, group)
+
     with mock.patch.object(dist, "reduce_scatter_single", spy_rs):
         with mock.patch.object(dist, "all_reduce", spy_ar):
-            yield
+            with mock.patch.object(fsdp2_collectives, "_reduce_scatter_by_exchange", spy_exchange):
+                yield
 
 
 def count_calls(calls: Sequence[Call], *fields: str) -> dict[tuple[Any, ...], int]:

@@ -34,6 +34,8 @@ from helpers import ENGINES, mine, world_mesh
 from models import build, full_grads, local_loss, make_batch, shard_model
 from torch.distributed.tensor import DTensor
 
+from fsdp2._state import state_of
+
 N_BLOCKS = 3
 
 
@@ -200,15 +202,22 @@ def test_frozen_group_is_not_reduced(engine: str, raf: bool, frozen: int) -> Non
 # Prefetch order
 
 
-def _record_order(engine: str, prefetch: str, root_params: bool) -> tuple[list[str], list[str]]:
+def _record_order(
+    engine: str, prefetch: str, root_params: bool, root: str = "trainable"
+) -> tuple[list[str], list[str]]:
     world_size = dist.get_world_size()
     name = "mlp_head" if root_params else "mlp"
-    model = _sharded_mlp(engine, True, root_params)
+    model = build(name)
+    if root == "frozen":
+        model.head.requires_grad_(False)
+    model = shard_model(model, ENGINES[engine], world_mesh(), root_kwargs={})
     layers = list(model.layers)
     if prefetch == "explicit":
         chain = ([model] if root_params else []) + layers
         for cur, nxt in zip(chain[:-1], chain[1:], strict=True):
             cur.set_modules_to_forward_prefetch([nxt])
+    if root == "explicit":
+        model.set_modules_to_backward_prefetch([layers[-1]])
     groups = {f"B{i}": list(b.parameters()) for i, b in enumerate(layers)}
     if root_params:
         groups["R"] = list(model.head.parameters())
@@ -223,6 +232,9 @@ def _record_order(engine: str, prefetch: str, root_params: bool) -> tuple[list[s
         counter.take()
         _train_step(model, name, 1, counter)  # implicit prefetch knows the order from step 1
         events = counter.take()
+    if engine == "fsdp2" and root_params:  # the deferred prefetch's hooks are gone
+        group = state_of(model).group
+        assert all(not p.unsharded._backward_hooks for p in group.params), "hooks left"
     return prefetch_order(events, "forward", by_numel), prefetch_order(events, "backward", by_numel)
 
 
@@ -255,8 +267,22 @@ def test_backward_prefetch_order(engine: str, root_params: bool) -> None:
     assert results[0] == results[1], f"ranks disagree: {results}"
     _, backward = results[0]
     want = ["AG(B2)", "AG(B1)", "Cb(B2)", "AG(B0)", "Cb(B1)", "Cb(B0)"]
-    if root_params:  # the root's pre-backward prefetches block 2 before the head's backward
+    if root_params and engine == "torch":  # the root's pre-backward prefetches block 2
         want = ["AG(B2)", "Cb(R)", *want[1:]]
+    elif root_params:  # fsdp2: once the head has its gradient ([Note: root prefetch])
+        want = ["Cb(R)", *want]
+    assert backward == want, f"backward order {backward}, want {want}"
+
+
+@pytest.mark.parametrize("root", ["frozen", "explicit"])
+def test_root_backward_prefetch_at_once(root: str) -> None:
+    # fsdp2 defers the root's implicit backward prefetch until one of its parameters has a
+    # gradient ([Note: root prefetch]); a frozen root, or an explicit list, prefetches at
+    # the root's pre-backward as torch's FSDP2 does.
+    results = run_on_ranks(2, _record_order, "fsdp2", "implicit", True, root)
+    assert results[0] == results[1], f"ranks disagree: {results}"
+    _, backward = results[0]
+    want = ["AG(B2)", "Cb(R)", "AG(B1)", "Cb(B2)", "AG(B0)", "Cb(B1)", "Cb(B0)"]
     assert backward == want, f"backward order {backward}, want {want}"
 
 

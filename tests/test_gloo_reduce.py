@@ -1,12 +1,13 @@
-"""fsdp2 reduce-scatters on gloo by an in-place all-reduce of the packed input, keeping its
-own row ([Note: gloo reduce-scatter] in fsdp2/_collectives.py). That is only right while
-gloo's all-reduce rows are bitwise what its ``reduce_scatter_tensor`` returns: checked here
-on 2 and 4 ranks for SUM and AVG in fp32 and bf16, on values spanning many magnitudes (so
-a different summation order would show). The engine-level consequence (fsdp2's gradients
-equal torch's FSDP2's bitwise at 2 and 4 ranks) is every parity test's; that fsdp2 takes
-this path on gloo and still counts one reduce-scatter per group is
-``tests/test_comm_counts.py``'s (``comm_counter`` counts the stand-in all-reduce as RS).
-"""
+"""fsdp2 reduce-scatters on gloo by its own means ([Note: gloo reduce-scatter] in
+fsdp2/_collectives.py): on 2 ranks by exchanging rows (one send and one receive, then
+adding the received row to its own), on more by an in-place all-reduce of the packed input,
+keeping its own row. That is only right while the result is bitwise what gloo's
+``reduce_scatter_tensor`` returns: checked here on 2 and 4 ranks for SUM and AVG in fp32 and
+bf16, on values spanning many magnitudes (so a different summation order would show). The
+engine-level consequence (fsdp2's gradients equal torch's FSDP2's bitwise at 2 and 4 ranks)
+is every parity test's; that fsdp2 takes these paths on gloo and still counts one
+reduce-scatter per group is ``tests/test_comm_counts.py``'s (``comm_counter`` counts them as
+RS)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def _rows_equal(dtype: torch.dtype) -> None:
         with CommCounter() as counter:
             got = C.reduce_scatter(packed, group, op).wait()
         assert [c.kind for c in counter.calls] == ["RS"], counter.calls
-        assert counter.calls[0].api == "all_reduce", "fsdp2 should all-reduce on gloo"
+        api = "exchange" if ws == 2 else "all_reduce"
+        assert counter.calls[0].api == api, f"fsdp2 should use {api} on gloo at {ws} ranks"
         assert got.data_ptr() != packed.data_ptr(), "the row must be a copy of the packed input"
         assert torch.equal(got, want), f"{op} {dtype}: all-reduce row differs from reduce-scatter"
 
