@@ -6,7 +6,8 @@ for the ``with`` block only, then restored) and records each call's kind, group 
 numel as a ``Call``. On gloo fsdp2 reduce-scatters by a send/receive exchange (2 ranks) or an
 in-place all-reduce of the same input ([Note: gloo reduce-scatter] in fsdp2/_collectives.py);
 the counter records both as ``"RS"`` (with ``api`` ``"exchange"`` or ``"all_reduce"``;
-``is_fsdp2_reduce_scatter`` tells that all-reduce from others). ``spy_reduce_scatters`` shows a test every reduce-scatter either way.
+``is_fsdp2_reduce_scatter`` tells that all-reduce from others). ``spy_reduce_scatters`` shows
+a test every reduce-scatter either way.
 Tests may interleave marker strings (``mark``, ``mark_computes``) to record
 when a module computes relative to the collectives. DTensor's ``full_tensor()`` (functional
 collectives) and ``models.full_params`` / ``full_grads`` bypass these patches: tests may check
