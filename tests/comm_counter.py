@@ -6,8 +6,10 @@ for the ``with`` block only, then restored) and records each call's kind, group 
 numel as a ``Call``. On gloo fsdp2 reduce-scatters by a send/receive exchange (2 ranks) or an
 in-place all-reduce of the same input ([Note: gloo reduce-scatter] in fsdp2/_collectives.py);
 the counter records both as ``"RS"`` (with ``api`` ``"exchange"`` or ``"all_reduce"``;
-``is_fsdp2_reduce_scatter`` tells that all-reduce from others). ``spy_reduce_scatters`` shows
-a test every reduce-scatter either way.
+``is_fsdp2_reduce_scatter`` tells that all-reduce from others), and its all-gathers by sends
+and receives ([Note: gloo all-gather]) as ``"AG"`` with ``api`` ``"exchange"``.
+``spy_all_gathers`` / ``spy_reduce_scatters`` show a test every all-gather / reduce-scatter
+either way.
 Tests may interleave marker strings (``mark``, ``mark_computes``) to record
 when a module computes relative to the collectives. DTensor's ``full_tensor()`` (functional
 collectives) and ``models.full_params`` / ``full_grads`` bypass these patches: tests may check
@@ -39,6 +41,7 @@ __all__ = [
     "is_fsdp2_reduce_scatter",
     "prefetch_order",
     "shard_numel",
+    "spy_all_gathers",
     "spy_reduce_scatters",
 ]
 
@@ -88,8 +91,19 @@ class CommCounter(contextlib.AbstractContextManager):
             self.events.append(Call("RS", "exchange", 2, input.numel(), self.phase, live))
             return exchange(input, op, group)
 
+        gather = fsdp2_collectives._all_gather_by_exchange
+
+        def counted_gather(output: torch.Tensor, input: torch.Tensor, group: Any) -> Any:
+            live = group in dist.distributed_c10d._world.pg_map
+            call = Call("AG", "exchange", group.size(), input.numel(), self.phase, live)
+            self.events.append(call)
+            return gather(output, input, group)
+
         self._stack.enter_context(
             mock.patch.object(fsdp2_collectives, "_reduce_scatter_by_exchange", counted_exchange)
+        )
+        self._stack.enter_context(
+            mock.patch.object(fsdp2_collectives, "_all_gather_by_exchange", counted_gather)
         )
         return self
 
@@ -179,6 +193,30 @@ def spy_reduce_scatters(
         with mock.patch.object(dist, "all_reduce", spy_ar):
             with mock.patch.object(fsdp2_collectives, "_reduce_scatter_by_exchange", spy_exchange):
                 yield
+
+
+@contextlib.contextmanager
+def spy_all_gathers(
+    record: Callable[[torch.Tensor, dist.ProcessGroup | None], None],
+) -> Iterator[None]:
+    """Call ``record(input, group)`` for every all-gather issued in the block:
+    ``dist.all_gather_single`` (torch's FSDP2, fsdp2 off gloo) and fsdp2's sends and
+    receives standing in for it on gloo."""
+    ag = dist.all_gather_single
+
+    def spy_ag(output, input, group=None, async_op=False, **kw):  # type: ignore[no-untyped-def]
+        record(input, group)
+        return ag(output, input, group=group, async_op=async_op, **kw)
+
+    gather = fsdp2_collectives._all_gather_by_exchange
+
+    def spy_gather(output: torch.Tensor, input: torch.Tensor, group: Any) -> Any:
+        record(input, group)
+        return gather(output, input, group)
+
+    with mock.patch.object(dist, "all_gather_single", spy_ag):
+        with mock.patch.object(fsdp2_collectives, "_all_gather_by_exchange", spy_gather):
+            yield
 
 
 def count_calls(calls: Sequence[Call], *fields: str) -> dict[tuple[Any, ...], int]:

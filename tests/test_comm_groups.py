@@ -4,14 +4,12 @@ accepted as no-ops on a CPU mesh."""
 
 from __future__ import annotations
 
-from unittest import mock
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from _harness import run_on_ranks
-from comm_counter import spy_reduce_scatters
+from comm_counter import spy_all_gathers, spy_reduce_scatters
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp2 import fully_shard
@@ -39,17 +37,11 @@ def _train(separate: bool, option: str) -> list[torch.Tensor]:
         model.set_symm_mem_for_comm()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     groups = {"ag": set(), "rs": set()}
-    ag = dist.all_gather_single
-
-    def spy_ag(*a, **k):  # type: ignore[no-untyped-def]
-        groups["ag"].add(id(k["group"]))
-        return ag(*a, **k)
-
     for step in range(3):
         torch.manual_seed(step)
         x = torch.randn(4 * ws, 6)[rank * 4 : (rank + 1) * 4]
         with (
-            mock.patch.object(dist, "all_gather_single", spy_ag),
+            spy_all_gathers(lambda t, group: groups["ag"].add(id(group))),
             spy_reduce_scatters(lambda t, op, group: groups["rs"].add(id(group))),
         ):
             model(x).pow(2).mean().backward()

@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from _harness import run_on_ranks
-from comm_counter import spy_reduce_scatters
+from comm_counter import spy_all_gathers, spy_reduce_scatters
 from helpers import check_same, world_mesh
 from models import MLPBlock, build, full_grads, full_params, make_batch, mean_over_ranks, rank_slice
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
@@ -528,27 +528,6 @@ def test_reduce_dtype_equal_to_param_dtype_is_none(world_size: int, model_name: 
 # Communication volume
 
 
-class _recording:
-    """Context manager: wrap ``torch.distributed.<name>`` so each call first passes its input
-    tensor to ``record``; restores the original on exit (the patch never outlives it)."""
-
-    def __init__(self, name: str, record: Callable[[torch.Tensor], None]) -> None:
-        self.name = name
-        self.record = record
-
-    def __enter__(self) -> None:
-        self.orig = getattr(dist, self.name)
-
-        def wrapper(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any):
-            self.record(input)
-            return self.orig(output, input, *args, **kwargs)
-
-        setattr(dist, self.name, wrapper)
-
-    def __exit__(self, *exc: object) -> None:
-        setattr(dist, self.name, self.orig)
-
-
 def _comm_bytes(model_name: str) -> dict[str, dict[str, int]]:
     """Bytes (and calls) into all-gather and reduce-scatter for one training step under
     fp32, bf16-compute/fp32-reduce and bf16 policies."""
@@ -569,7 +548,7 @@ def _comm_bytes(model_name: str) -> dict[str, dict[str, int]]:
             counts[f"{prefix}_bytes"] += t.numel() * t.element_size()
             counts[f"{prefix}_calls"] += 1
 
-        with _recording("all_gather_single", lambda t: count("ag", t)):
+        with spy_all_gathers(lambda t, g: count("ag", t)):
             with spy_reduce_scatters(lambda t, op, g: count("rs", t)):
                 _loss(model, model_name, xs, ys).backward()
         result[name] = counts

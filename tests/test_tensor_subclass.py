@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import math
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
@@ -30,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 from _harness import run_on_ranks
+from comm_counter import spy_all_gathers
 from helpers import world_mesh
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.device_mesh import init_device_mesh
@@ -431,17 +431,15 @@ def _bf16_case(mesh_shape: tuple[int, ...]) -> None:
         _fs(engine)(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         sent: list[tuple[torch.dtype, int]] = []
-        orig = dist.all_gather_single
 
-        def counted(output, input, *a, _orig=orig, _sent=sent, **k):
+        def counted(input: torch.Tensor, group: Any, _sent: list[Any] = sent) -> None:
             _sent.append((input.dtype, input.numel()))
-            return _orig(output, input, *a, **k)
 
         losses = []
         g = torch.Generator().manual_seed(3)
         for _ in range(3):
             x = torch.randn(4, 4, generator=g)
-            with mock.patch.object(dist, "all_gather_single", counted):
+            with spy_all_gathers(counted):
                 loss = model(x).pow(2).mean()
                 loss.backward()
             losses.append(loss.detach())
