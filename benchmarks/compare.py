@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _memory import peak_step_bytes  # noqa: E402
 
+from fsdp2 import _collectives as fsdp2_collectives  # noqa: E402
 from fsdp2.models import Llama, LlamaConfig, TransformerBlock  # noqa: E402
 
 IMPLS = ("fsdp2", "torch_fsdp2", "torch_fsdp1", "ddp", "single")
@@ -70,6 +71,15 @@ def all_gather_bytes(fn) -> int:  # type: ignore[no-untyped-def]
             return _orig(output, input, *a, **k)
 
         patches.append(mock.patch.object(dist, name, counted))
+    exchange = fsdp2_collectives._all_gather_by_exchange  # fsdp2 on gloo
+
+    def counted_exchange(output, input, group):  # type: ignore[no-untyped-def]
+        sent[0] += input.numel() * input.element_size()
+        return exchange(output, input, group)
+
+    patches.append(
+        mock.patch.object(fsdp2_collectives, "_all_gather_by_exchange", counted_exchange)
+    )
     for patch in patches:
         patch.start()
     try:

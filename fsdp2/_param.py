@@ -7,11 +7,11 @@
 # (unpadded) chunk in that buffer, so the optimizer updates the buffer in place
 # and the buffer *is* the all-gather input: no copy-in for fp32 training.
 # The all-gather output is rank-major (rank 0's flat buffer, rank 1's, ...);
-# one ``split_with_sizes_copy`` moves it into the flat unsharded buffer, which
-# is parameter-major: each parameter's ``world * padded_chunk`` elements back
-# to back. Every unsharded parameter is a fixed view of that buffer, so its
-# identity never changes: resharding frees the buffer's storage (resize to 0)
-# and unsharding reallocates it. Reduce-scatter uses the same geometry in
+# one ``split_with_sizes_copy`` moves it into the unsharded buffers, one per
+# parameter (``world * padded_chunk`` elements, so one can be freed alone:
+# [Note: release] in _param_group.py). Every unsharded parameter is a fixed view
+# of its buffer, so its identity never changes: resharding frees the buffers'
+# storage (resize to 0) and unsharding reallocates it. Reduce-scatter uses the same geometry in
 # reverse: ``_chunk_cat`` packs the unsharded grads rank-major, and each rank's
 # output has exactly the sharded buffer's layout, so the new gradients are
 # views of it at the sharded parameters' offsets.
@@ -48,7 +48,7 @@ class FSDPParam:
 
     ``offset`` and ``padded_numel`` place the parameter in its group's flat
     sharded buffer (see [Note: flat storage]); the unsharded copy sits at
-    ``world * offset`` in the flat unsharded buffer.
+    the start of its own unsharded buffer.
     """
 
     __slots__ = (

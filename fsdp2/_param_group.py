@@ -8,12 +8,34 @@ reduced together. Owns unshard / wait / reshard and gradient reduction.
 # reduction its gradient is written into every rank's slot, so the
 # reduce-scatter sums it over ranks like an all-reduce. Its DTensor placement
 # is ``Replicate()`` and each rank holds the same averaged gradient.
+
+# [Note: release]
+# The root's group stays unsharded from forward through backward (so does any group with
+# reshard_after_forward=False), but its backward may not read every parameter: an
+# embedding's backward needs the indices only. So when backward begins (the graph is
+# complete), each group still unsharded frees the unsharded buffer (each flat parameter has
+# its own) of every trainable parameter that nothing holds but its Python object and its
+# gradient accumulator: no autograd node saved it, no view or alias of its storage is
+# alive (``Tensor._use_count`` and the storage's use count against what the group itself
+# holds, measured when the buffers were built). AccumulateGrad only writes ``.grad``, so
+# the gradient still arrives. Meanwhile the module holds the sharded parameter, as after
+# any reshard. A forward of a module owning a released parameter (an activation-checkpoint
+# recompute) gathers it again first: a forward pre-hook on each owner, registered when the
+# parameter is released and removed when it is back or the group reshards, so no hook is
+# there while forward runs (``torch.compile`` traces the model as without it). A read that
+# bypasses the owning module's call (a functional use of ``module.weight`` inside a
+# recomputed function) sees the sharded DTensor and raises ("mixed torch.Tensor and
+# DTensor"), never freed memory. ``set_reshard_after_backward(False)`` keeps everything
+# (the group does not reshard after backward, so nothing is released). On the benchmark
+# Llama it frees the 16 MiB token embedding before the logits' backward
+# (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -81,6 +103,7 @@ class ParamGroup:
         self.partial_reduce: torch.Tensor | None = None  # HSDP without all-reduce
         self.acc_grads: dict[int, torch.Tensor] = {}  # no-sync sums in reduce_dtype
         self.resync_pending = False  # adopt_registered waits for a whole group
+        self._restore_hooks: list[Any] = []  # see release_unread
         self._init_storage()
         self.update()
 
@@ -210,27 +233,37 @@ class ParamGroup:
         return flat
 
     def _init_unsharded(self, device: torch.device) -> None:
-        """(Re)build the flat unsharded buffer and point the unsharded params
-        (same objects every time) at their views; see [Note: flat storage]."""
+        """(Re)build the unsharded buffers, one per flat parameter, and point the
+        unsharded params (same objects every time) at them; see [Note: flat storage]."""
+        self._build_unsharded(device)
+        self.released: list[int] = []  # flat params whose buffer was released early
+        # what holds each buffer now (ours only; measured once the builder's locals are gone)
+        self._holders = [_holders(b) for b in self.unsharded_bufs]
+        if self.small is not None:
+            self.small = SmallShard(self, self.small.size)
+
+    def _build_unsharded(self, device: torch.device) -> None:
         w = self.world
-        un = torch.empty(w * self.shard_numel, dtype=self.param_dtype, device=device)
-        self.unsharded_flat = un
-        data = un.data  # writes through .data do not bump the params' version counter
-        self.split_sizes = [p.padded_numel for p in self.flat_params]
-        self.copy_dsts = [
-            data.narrow(0, w * p.offset, w * p.padded_numel).view(w, p.padded_numel)
+        bufs = [
+            torch.empty(w * p.padded_numel, dtype=self.param_dtype, device=device)
             for p in self.flat_params
+        ]
+        self.unsharded_bufs = bufs
+        self.split_sizes = [p.padded_numel for p in self.flat_params]
+        # writes through .data do not bump the params' version counter
+        self.copy_dsts = [
+            b.data.view(w, p.padded_numel) for b, p in zip(bufs, self.flat_params, strict=True)
         ]
         # Shard(d > 0) params: the copy-out writes a permuted view instead.
         self._dim_copies = [
-            (i, p.split_view(data.narrow(0, w * p.offset, w * p.padded_numel)), p.local_shape)
+            (i, p.split_view(bufs[i].data), p.local_shape)
             for i, p in enumerate(self.flat_params)
             if p.shard_dim != 0
         ]
         with torch.no_grad():
-            for p in self.flat_params:
+            for p, b in zip(self.flat_params, bufs, strict=True):
                 numel = 1 if p.is_scalar else p.shape.numel()
-                view = un.narrow(0, w * p.offset, numel).view(p.shape)
+                view = b.narrow(0, 0, numel).view(p.shape)
                 old = p.unsharded
                 if p.tp is not None:
                     if isinstance(old, DTensor) and (old.device, old.dtype) == (
@@ -249,9 +282,8 @@ class ParamGroup:
                     new = nn.Parameter(view, old.requires_grad)
                     _forget_fake(old, new)
                     torch.utils.swap_tensors(old, new)
-        _free(un)
-        if self.small is not None:
-            self.small = SmallShard(self, self.small.size)
+        for b in bufs:
+            _free(b)
 
     def relayout(self, dtype: torch.dtype, device: torch.device) -> None:
         """Lay the flat parameters out again in a new flat buffer of ``dtype`` on
@@ -365,7 +397,8 @@ class ParamGroup:
         with label("all_gather wait", self.path):
             output = pending.wait()
         with label("copy_out", self.path):
-            _alloc(self.unsharded_flat)
+            for b in self.unsharded_bufs:
+                _alloc(b)
             if self._pending_ag_small:
                 assert self.small is not None
                 for p in self.ext_params:
@@ -438,7 +471,10 @@ class ParamGroup:
             self.sharded_state = Sharded.SMALL
         else:
             self.sharded_state = Sharded.SHARDED
-        _free(self.unsharded_flat)
+        for b in self.unsharded_bufs:
+            _free(b)
+        self.released = []
+        self._drop_restore_hooks()
         for p in self.ext_params:
             p.ext.free()  # type: ignore[union-attr]
         self.register_sharded()
@@ -454,6 +490,65 @@ class ParamGroup:
             self.reshard()
         elif self.gather.post_forward is not False:
             self.reshard(to_small=True)
+
+    # ---- what backward does not read (see [Note: release]) ----------------------
+
+    def release_unread(self) -> None:
+        """Free the unsharded buffer of every plain trainable parameter nothing in the
+        autograd graph holds (it was used, but no node saved it: an embedding's weight).
+        It is registered sharded until the group reshards, or gathered again if a module
+        owning it runs forward meanwhile (an activation-checkpoint recompute): see
+        [Note: release]."""
+        if self.ext_params or self.sharded_state is not Sharded.UNSHARDED:
+            return
+        if not self.gather.reshard_after_backward or self.released:
+            return
+        owned: dict[int, tuple[nn.Module, list[int]]] = {}
+        for i, p in enumerate(self.flat_params):
+            if not p.requires_grad or p.tp is not None or p.is_scalar or p.shard_dim != 0:
+                continue
+            b = self.unsharded_bufs[i]
+            if _holders(b) != self._holders[i] or not _only_accumulator(p.unsharded):
+                continue
+            _free(b)
+            for m, n in p.owners:
+                m._parameters[n] = p.sharded
+                owned.setdefault(id(m), (m, []))[1].append(i)
+            self.released.append(i)
+        self._restore_hooks = [
+            m.register_forward_pre_hook(_restore_hook(self, idx)) for m, idx in owned.values()
+        ]
+
+    @torch.compiler.disable
+    def restore_released(self, idx: list[int]) -> None:
+        """Gather the released parameters ``idx`` (flat indices) again and register them
+        unsharded."""
+        idx = [i for i in idx if i in self.released]
+        if not idx:
+            return
+        pg = self.info.shard_group
+        flat = self.gather_input()
+        D.check("all-gather", self.path, flat.numel() * self.world, flat.dtype, pg)
+        with label("all_gather issue", self.path):
+            pending = C.all_gather(flat, pg, self.world, self.gather.comm)
+        with label("all_gather wait", self.path):
+            output = pending.wait()
+        with label("copy_out", self.path):
+            cols = output.split(self.split_sizes, dim=1)
+            for i in idx:
+                _alloc(self.unsharded_bufs[i])
+                self.copy_dsts[i].copy_(cols[i])
+                p = self.flat_params[i]
+                for m, n in p.owners:
+                    m._parameters[n] = p.unsharded
+        self.released = [i for i in self.released if i not in idx]
+        if not self.released:
+            self._drop_restore_hooks()
+
+    def _drop_restore_hooks(self) -> None:
+        for h in self._restore_hooks:
+            h.remove()
+        self._restore_hooks = []
 
     # ---- gradients --------------------------------------------------------------
 
@@ -483,6 +578,30 @@ class ParamGroup:
                 p.unsharded.grad = None
         self.acc_grads.clear()
         self.partial_reduce = None
+
+
+def _restore_hook(group: ParamGroup, idx: list[int]) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any) -> None:
+        group.restore_released(idx)
+
+    return hook
+
+
+def _holders(t: torch.Tensor) -> int:
+    """How many tensors hold ``t``'s storage (its use count)."""
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+
+
+def _only_accumulator(t: torch.Tensor | None) -> bool:
+    """Whether nothing but its Python object and (if any) its gradient accumulator holds
+    the tensor ``t``: no autograd node saved it, no view of it is alive."""
+    if t is None:
+        return False
+    before = t._use_count()
+    edge = torch.autograd.graph.get_gradient_edge(t)  # made now if there was none
+    existed = t._use_count() == before  # a new accumulator would hold t once more
+    del edge
+    return before == 1 + int(existed)
 
 
 def _forget_fake(*ts: torch.Tensor) -> None:

@@ -284,6 +284,9 @@ class StepContext:
         order = self.post_fwd_order
         for i, st in enumerate(order):  # later occurrences win: backward runs them first
             st.bwd_next = [order[i - 1]] if i > 0 else []
+        for st in self.with_group:
+            assert st.group is not None
+            st.group.release_unread()
         Variable._execution_engine.queue_callback(self.finish_backward)
 
     def check_recompute(self, name: str) -> None:

@@ -254,7 +254,7 @@ class _Tracker(TorchDispatchMode):
             g = st.group
             if g is None:
                 continue
-            if g.unsharded_flat is t:
+            if any(b is t for b in g.unsharded_bufs):
                 return g.path
             for p in g.ext_params:  # tensor-subclass parameters' own outputs
                 if p.ext is not None and any(

@@ -22,6 +22,7 @@ exists), and at the end that the full parameters are bitwise equal. Cases:
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from _harness import run_on_ranks
+from comm_counter import spy_all_gathers
 from helpers import check_close_run, check_same_run, mine, world_mesh
 from models import mean_over_ranks
 from torch.distributed.device_mesh import init_device_mesh
@@ -243,22 +245,18 @@ def test_float8_llama_parity() -> None:
 
 
 def _float8_bytes_case() -> None:
-    from unittest import mock
-
     mesh = world_mesh()
     sizes: dict[bool, list[int]] = {}
     for all_gather in (False, True):
         torch.manual_seed(0)
         model = _shard(_float8(MLP((64, 64, 64), bias=False), all_gather), "fsdp2", mesh)
         seen: list[int] = []
-        orig = dist.all_gather_single
 
-        def counted(output, input, *args, _orig=orig, _seen=seen, **kwargs):
+        def counted(input: torch.Tensor, group: Any, _seen: list[int] = seen) -> None:
             _seen.append(input.numel() * input.element_size())
-            return _orig(output, input, *args, **kwargs)
 
         x, _ = _batch(0, (64, 64))
-        with mock.patch.object(dist, "all_gather_single", counted):
+        with spy_all_gathers(counted):
             model(mine(x)).sum().backward()
         sizes[all_gather] = seen
     # 2 layer groups (the root has no parameters), resharded after forward: two all-gathers
