@@ -53,11 +53,26 @@ class Pending(NamedTuple):
     work: dist.Work | SharedWork | None
     input: torch.Tensor | None = None
     copy: bool = False  # ``output`` is a view into ``input``: return a copy of it
+    own_row: int = -1  # an all-gather's row of ``output`` still only in ``input``
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
+        if self.own_row >= 0:
+            assert self.input is not None
+            self.output[self.own_row].copy_(self.input)
         return self.output.clone() if self.copy else self.output
+
+    def wait_rows(self) -> list[torch.Tensor]:
+        """An all-gather's rows once done, this rank's own straight from its input: the
+        caller copies them out without the copy into ``output`` first."""
+        if self.work is not None:
+            self.work.wait()
+        rows = list(self.output.unbind(0))
+        if self.own_row >= 0:
+            assert self.input is not None
+            rows[self.own_row] = self.input
+        return rows
 
 
 def _empty(numel: int, like: torch.Tensor, dtype: torch.dtype, comm: Comm | None) -> torch.Tensor:
@@ -96,14 +111,17 @@ def all_gather_bucket(
     work = SharedWork(whole.work)
     pendings, start = [], 0
     for x in inputs:
-        pendings.append(Pending(whole.output.narrow(1, start, x.numel()), work, flat))
-        start += x.numel()
+        n = x.numel()
+        own = flat.narrow(0, start, n)  # holds ``flat`` too
+        pendings.append(Pending(whole.output.narrow(1, start, n), work, own, own_row=whole.own_row))
+        start += n
     return pendings
 
 
 def copy_out(output: torch.Tensor, split_sizes: list[int], dsts: list[torch.Tensor]) -> None:
-    """Scatter a rank-major all-gather output into per-parameter ``(world, padded)`` views."""
-    torch.split_with_sizes_copy(output, split_sizes, dim=1, out=dsts)
+    """Scatter a rank-major all-gather output into per-parameter ``(world, padded)`` views
+    (or one row of it into the parameters' ``(padded,)`` rows)."""
+    torch.split_with_sizes_copy(output, split_sizes, dim=-1, out=dsts)
 
 
 def pack_for_reduce_scatter(
@@ -223,15 +241,15 @@ def _all_gather_by_exchange(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
 ) -> Pending:
     """All-gather into the ``(world, numel)`` ``output`` by sending ``input`` to every peer
-    and receiving each peer's straight into its row (see [Note: gloo all-gather])."""
+    and receiving each peer's straight into its row (see [Note: gloo all-gather]). This
+    rank's own row is left to ``Pending.wait`` (or read from ``input`` by ``wait_rows``)."""
     me, world = group.rank(), output.size(0)
-    output[me].copy_(input)
     works = []
     for k in range(1, world):
         dst, src = (me + k) % world, (me - k) % world
         works.append(dist.isend(input, group=group, group_dst=dst, tag=_GATHER_TAG))
         works.append(dist.irecv(output[src], group=group, group_src=src, tag=_GATHER_TAG))
-    return Pending(output, _Works(works), input)  # type: ignore[arg-type]
+    return Pending(output, _Works(works), input, own_row=me)  # type: ignore[arg-type]
 
 
 def _reduce_scatter_by_exchange(input: torch.Tensor, op: Any, group: dist.ProcessGroup) -> Pending:

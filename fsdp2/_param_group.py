@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -254,6 +254,7 @@ class ParamGroup:
         self.copy_dsts = [
             b.data.view(w, p.padded_numel) for b, p in zip(bufs, self.flat_params, strict=True)
         ]
+        self.row_dsts = [[d[r] for d in self.copy_dsts] for r in range(w)]  # rank r's rows
         # Shard(d > 0) params: the copy-out writes a permuted view instead.
         self._dim_copies = [
             (i, p.split_view(bufs[i].data), p.local_shape)
@@ -394,21 +395,29 @@ class ParamGroup:
             self.unshard()
         pending, self._pending_ag = self._pending_ag, None
         assert pending is not None
+        # on gloo this rank's row is still only in its shard: plain groups copy each row
+        # out from where it is (see Pending.wait_rows)
+        by_rows = pending.own_row >= 0 and not (
+            self._pending_ag_small or self.ext_params or self._dim_copies
+        )
         with label("all_gather wait", self.path):
-            output = pending.wait()
+            rows = pending.wait_rows() if by_rows else [pending.wait()]
         with label("copy_out", self.path):
             for b in self.unsharded_bufs:
                 _alloc(b)
-            if self._pending_ag_small:
+            if by_rows:
+                for row, dsts in zip(rows, self.row_dsts, strict=True):
+                    C.copy_out(row, self.split_sizes, dsts)
+            elif self._pending_ag_small:
                 assert self.small is not None
                 for p in self.ext_params:
                     p.ext.alloc()  # type: ignore[union-attr]
-                self.small.copy_out(output)
+                self.small.copy_out(rows[0])
             elif self.ext_params:
-                X.copy_out(self, output)
+                X.copy_out(self, rows[0])
             else:
-                self.copy_out_plain(output)
-        del output, pending
+                self.copy_out_plain(rows[0])
+        del rows, pending
         if self.ext_params:
             self._build_ext_unsharded()
         self.sharded_state = Sharded.UNSHARDED
@@ -512,14 +521,13 @@ class ParamGroup:
                 continue
             _free(b)
             for m, n in p.owners:
-                m._parameters[n] = p.sharded
+                m._parameters[n] = p.sharded  # type: ignore[assignment]  # a DTensor Parameter
                 owned.setdefault(id(m), (m, []))[1].append(i)
             self.released.append(i)
         self._restore_hooks = [
             m.register_forward_pre_hook(_restore_hook(self, idx)) for m, idx in owned.values()
         ]
 
-    @torch.compiler.disable
     def restore_released(self, idx: list[int]) -> None:
         """Gather the released parameters ``idx`` (flat indices) again and register them
         unsharded."""
@@ -540,7 +548,7 @@ class ParamGroup:
                 self.copy_dsts[i].copy_(cols[i])
                 p = self.flat_params[i]
                 for m, n in p.owners:
-                    m._parameters[n] = p.unsharded
+                    m._parameters[n] = p.unsharded  # type: ignore[assignment]
         self.released = [i for i in self.released if i not in idx]
         if not self.released:
             self._drop_restore_hooks()
@@ -584,7 +592,8 @@ def _restore_hook(group: ParamGroup, idx: list[int]) -> Callable[..., None]:
     def hook(module: nn.Module, args: Any) -> None:
         group.restore_released(idx)
 
-    return hook
+    # run eagerly (a collective and storage moves), as every engine hook
+    return cast(Callable[..., None], torch.compiler.disable(hook))
 
 
 def _holders(t: torch.Tensor) -> int:
@@ -597,9 +606,9 @@ def _only_accumulator(t: torch.Tensor | None) -> bool:
     the tensor ``t``: no autograd node saved it, no view of it is alive."""
     if t is None:
         return False
-    before = t._use_count()
+    before = int(t._use_count())  # type: ignore[attr-defined]
     edge = torch.autograd.graph.get_gradient_edge(t)  # made now if there was none
-    existed = t._use_count() == before  # a new accumulator would hold t once more
+    existed = int(t._use_count()) == before  # type: ignore[attr-defined]  # a new one holds t
     del edge
     return before == 1 + int(existed)
 
