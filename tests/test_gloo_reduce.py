@@ -9,18 +9,24 @@ is every parity test's; that fsdp2 takes these paths on gloo and still counts on
 reduce-scatter per group is ``tests/test_comm_counts.py``'s (``comm_counter`` counts them as
 RS).
 
-All-gathers on gloo go by sends and receives ([Note: gloo all-gather]): bitwise gloo's own
-(copies only) at 2 and 4 ranks, in a subgroup, for any dtype, with several in flight at
-once (prefetch) and waited in or out of order."""
+All-gathers on gloo of at least ``EXCHANGE_MIN_BYTES`` per rank go by sends and receives
+([Note: gloo all-gather]): bitwise gloo's own (copies only) at 2 and 4 ranks, in a subgroup,
+for any dtype, with several in flight at once (prefetch), smaller ones among them (gloo's
+all-gather), waited in or out of order."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from _harness import run_on_ranks
 from comm_counter import CommCounter
+from helpers import ENGINES, train_and_compare, world_mesh
+from models import make_optimizer
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 
+from fsdp2 import MixedPrecisionPolicy
 from fsdp2 import _collectives as C
 
 
@@ -58,7 +64,8 @@ def _gathers_equal() -> None:
         size = group.size()
         for dtype in (torch.float32, torch.bfloat16, torch.uint8):
             g = torch.Generator().manual_seed(rank)
-            xs = [(torch.randn(n, generator=g) * 100).to(dtype) for n in (10_007, 3, 0, 50_000)]
+            sizes = (300_000, 3, 0, 70_001)  # above and below the exchange's threshold
+            xs = [(torch.randn(n, generator=g) * 100).to(dtype) for n in sizes]
             wants = []
             for x in xs:
                 want = torch.empty(size * x.numel(), dtype=dtype)
@@ -67,7 +74,11 @@ def _gathers_equal() -> None:
             with CommCounter() as counter:
                 pending = [C.all_gather(x, group, size) for x in xs]  # all in flight at once
                 got = [p.wait() for p in reversed(pending)][::-1]
-            assert [(c.kind, c.api) for c in counter.calls] == [("AG", "exchange")] * 4
+            want_api = [
+                "exchange" if x.nbytes >= C.EXCHANGE_MIN_BYTES else "all_gather_single" for x in xs
+            ]
+            assert [(c.kind, c.api) for c in counter.calls] == [("AG", a) for a in want_api]
+            assert "exchange" in want_api and "all_gather_single" in want_api
             for x, a, b in zip(xs, got, wants, strict=True):
                 assert torch.equal(a, b), f"{dtype} numel {x.numel()} group of {size}"
 
@@ -75,3 +86,68 @@ def _gathers_equal() -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_all_gather_exchange_equals_gloo(world_size: int) -> None:
     run_on_ranks(world_size, _gathers_equal)
+
+
+class _Wide(nn.Module):
+    """Groups above the exchange's threshold: 512x512 weights (512 KiB per rank in fp32 at 2
+    ranks, 256 KiB in bf16), and a root with an embedding and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(300, 512)
+        self.layers = nn.ModuleList(nn.Linear(512, 512) for _ in range(3))
+        self.head = nn.Linear(512, 512)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
+def _wide_parity(variant: str) -> None:
+    def shard(engine: str) -> nn.Module:
+        torch.manual_seed(0)
+        model = _Wide()
+        mp = {}
+        if variant == "bf16":
+            cls = MixedPrecisionPolicy if engine == "fsdp2" else TorchMP
+            mp = {"mp_policy": cls(param_dtype=torch.bfloat16)}
+        for layer in model.layers:
+            ENGINES[engine](layer, mesh=world_mesh(), **mp)
+        ENGINES[engine](model, mesh=world_mesh(), **mp)
+        if variant == "bucketed" and engine == "fsdp2":
+            model.set_bucket_bytes(4 << 20)
+        return model
+
+    torch.manual_seed(0)
+    ref = _Wide()
+    models = {engine: shard(engine) for engine in ENGINES}
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(step)
+        return torch.randint(0, 300, (4, 6), generator=g), torch.randn(4, 6, 512, generator=g)
+
+    def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (model(x).float() - y).pow(2).mean()
+
+    # against the replicated reference (fsdp2 and torch are held bitwise to each other)
+    tol = {"atol": 2e-2, "rtol": 2e-2} if variant == "bf16" else {"atol": 1e-4, "rtol": 1e-4}
+    with CommCounter() as counter:
+        train_and_compare(
+            ref,
+            models,
+            batch=batch,
+            loss=loss,
+            tol=tol,
+            optimizer=lambda ps: make_optimizer("sgd", ps),
+        )
+    apis = {c.api for c in counter.calls if c.kind == "AG"}
+    assert "exchange" in apis, apis
+
+
+@pytest.mark.parametrize("variant", ["fp32", "bf16", "bucketed"])
+def test_exchange_all_gather_parity(variant: str) -> None:
+    """fsdp2 with its all-gathers by exchange (each rank's own row copied out straight from
+    its shard) trains bitwise like torch's FSDP2, alone, in bf16 and in buckets."""
+    run_on_ranks(2, _wide_parity, variant)
