@@ -174,10 +174,13 @@ def reduce_scatter(
 # (an output's worth of memory while the all-gather is in flight). Each rank posts all its
 # sends and receives at once; gloo matches a pair's messages of one tag in the order they
 # were posted, and every rank issues fsdp2's all-gathers in the same order (as for any
-# collective). Below 256 KiB per rank gloo's own all-gather is used: with many tiny groups
-# (benchmarks/overhead.py, 1 KiB each) sends and receives made the step 6-16% slower, while
-# from 256 KiB up they are faster (measured in a prefetch pattern: 256 KiB 0.34 vs 0.51 ms,
-# 4 MiB 2.8 vs 3.7 ms). Custom all-gathers (``set_custom_all_gather``) are called as they are.
+# collective). This rank's own row is not copied into the output at issue: ``Pending.wait``
+# fills it, and a plain group copies its parameters' rows out of its shard directly
+# (``Pending.wait_rows``: one copy instead of two). Below 256 KiB per rank gloo's own
+# all-gather is used: with many tiny groups (benchmarks/overhead.py, 1 KiB each) sends and
+# receives made the step 6-16% slower, while from 256 KiB up they are faster (measured in a
+# prefetch pattern: 256 KiB 0.34 vs 0.51 ms, 4 MiB 2.8 vs 3.7 ms). Custom all-gathers
+# (``set_custom_all_gather``) are called as they are.
 
 # [Note: gloo reduce-scatter]
 # gloo's reduce_scatter_tensor costs about twice an all-reduce of the same input, and
@@ -259,8 +262,8 @@ def _all_gather_by_exchange(
     works = []
     for k in range(1, world):
         dst, src = (me + k) % world, (me - k) % world
-        works.append(group.send([input], dst, _GATHER_TAG))
-        works.append(group.recv([output[src]], src, _GATHER_TAG))
+        works.append(dist.isend(input, group=group, group_dst=dst, tag=_GATHER_TAG))
+        works.append(dist.irecv(output[src], group=group, group_src=src, tag=_GATHER_TAG))
     return Pending(output, _Works(works), input, own_row=me)  # type: ignore[arg-type]
 
 
