@@ -292,7 +292,7 @@ def pack_inputs(group: ParamGroup, flat: torch.Tensor) -> torch.Tensor:
 
 def copy_out(group: ParamGroup, output: torch.Tensor) -> None:
     """Scatter a rank-major uint8 all-gather output (``pack_inputs``' layout) into the
-    plain unsharded buffer and the extension outputs."""
+    plain unsharded buffers and the extension outputs."""
     plain = group.shard_numel * group.param_dtype.itemsize
     if plain:
         group.copy_out_plain(output[:, :plain].view(group.param_dtype))

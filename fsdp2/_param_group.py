@@ -289,7 +289,7 @@ class ParamGroup:
     def relayout(self, dtype: torch.dtype, device: torch.device) -> None:
         """Lay the flat parameters out again in a new flat buffer of ``dtype`` on
         ``device``, moving their current local tensors into it (parameter objects keep
-        their identity), and rebuild the unsharded buffer."""
+        their identity), and rebuild the unsharded buffers."""
         self._assign_offsets()
         new = self._new_sharded_flat(dtype, device)
         with torch.no_grad():
