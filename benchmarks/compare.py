@@ -77,9 +77,16 @@ def all_gather_bytes(fn) -> int:  # type: ignore[no-untyped-def]
         sent[0] += input.numel() * input.element_size()
         return exchange(output, input, group)
 
+    into = fsdp2_collectives.all_gather_into  # fsdp2 on gloo, straight into the parameters
+
+    def counted_into(input, sizes, rows, group):  # type: ignore[no-untyped-def]
+        sent[0] += input.numel() * input.element_size()
+        return into(input, sizes, rows, group)
+
     patches.append(
         mock.patch.object(fsdp2_collectives, "_all_gather_by_exchange", counted_exchange)
     )
+    patches.append(mock.patch.object(fsdp2_collectives, "all_gather_into", counted_into))
     for patch in patches:
         patch.start()
     try:

@@ -96,7 +96,7 @@ class ParamGroup:
         self.reduce = ReduceSettings()
         self.set_dtypes(group_dtype(params, name))
         self.sharded_state = Sharded.SHARDED
-        self._pending_ag: C.Pending | None = None
+        self._pending_ag: C.Pending | C.Received | None = None
         self._pending_ag_small = False
         self.small: SmallShard | None = None  # reshard_after_forward=int, see update()
         # Gradient state that outlives a step.
@@ -341,7 +341,20 @@ class ParamGroup:
         pg = self.info.shard_group
         D.check("all-gather", self.path, flat.numel() * self.world, flat.dtype, pg)
         with label("all_gather issue", self.path):
-            self.gather_issued(C.all_gather(flat, pg, self.world, self.gather.comm))
+            if self._gathers_into_rows(flat, pg):  # see [Note: gloo straight in and out]
+                for b in self.unsharded_bufs:
+                    _alloc(b)
+                pending: C.Pending | C.Received = C.all_gather_into(
+                    flat, self.split_sizes, self.row_dsts, pg
+                )
+            else:
+                pending = C.all_gather(flat, pg, self.world, self.gather.comm)
+            self.gather_issued(pending)
+
+    def _gathers_into_rows(self, flat: torch.Tensor, pg: Any) -> bool:
+        """Whether the all-gather may land straight in the unsharded parameters' rows."""
+        plain = not self.ext_params and not self._dim_copies and self.gather.comm is None
+        return plain and self.world > 1 and C._by_exchange(flat, pg)
 
     def gather_input(self) -> torch.Tensor:
         """This rank's flat all-gather input (plain parameters)."""
@@ -351,7 +364,7 @@ class ParamGroup:
             flat = flat.to(self.device, self.param_dtype, non_blocking=True)
         return flat
 
-    def gather_issued(self, pending: C.Pending) -> None:
+    def gather_issued(self, pending: C.Pending | C.Received) -> None:
         """This group's all-gather (alone, or its slice of a bucket's) is in flight."""
         self._pending_ag = pending
         self._pending_ag_small = False
@@ -395,6 +408,14 @@ class ParamGroup:
             self.unshard()
         pending, self._pending_ag = self._pending_ag, None
         assert pending is not None
+        if isinstance(pending, C.Received):  # landed in the buffers (allocated at issue)
+            with label("all_gather wait", self.path):
+                pending.wait_works()
+            with label("copy_out", self.path):
+                pending.fill()
+            self.sharded_state = Sharded.UNSHARDED
+            self.register_unsharded()
+            return
         # on gloo this rank's row is still only in its shard: plain groups copy each row
         # out from where it is (see Pending.wait_rows)
         by_rows = pending.own_row >= 0 and not (
@@ -467,8 +488,13 @@ class ParamGroup:
 
     def _reshard(self, to_small: bool) -> None:
         if self._pending_ag is not None:  # prefetched but unused
-            self._pending_ag.wait()
-            self._pending_ag = None
+            pending, self._pending_ag = self._pending_ag, None
+            if isinstance(pending, C.Received):
+                pending.wait_works()  # the receives write into the buffers: then free them
+                for b in self.unsharded_bufs:
+                    _free(b)
+            else:
+                pending.wait()
         if self.sharded_state is Sharded.SMALL and not to_small:
             # The small copy holds this step's values; never gather it next step.
             self._drop_small()

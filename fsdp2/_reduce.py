@@ -181,23 +181,35 @@ def _paths(parts: list[Part]) -> str:
 def reduce(parts: list[Part]) -> Reduction:
     """Issue ONE reduce-scatter of the parts' gradients (groups of equal ``bucket_key``
     when more than one): packed rank-major, each rank's row is its slice of every part
-    in turn."""
+    in turn (on 2 gloo ranks, large gradients are sent straight instead: [Note: gloo
+    straight in and out] in _collectives.py)."""
     group = parts[0].group
     dtype = group.reduce_dtype or group.param_dtype
     comm = group.reduce.comm
     plan = group.divide_plan
-    with label("reduce_scatter pack", lambda: _paths(parts)):
-        grads = [g for part in parts for g in part.grads]
-        packed = C.pack_for_reduce_scatter(grads, group.world, dtype, comm)
-        del grads
-        parts = [part._replace(grads=[]) for part in parts]  # packed: free them as we go
-        if plan.pre is not None:
-            packed.div_(plan.pre)
     pg = group.reduce.group or group.info.shard_group
     if D.is_debug():
-        D.check("reduce-scatter", _paths(parts), packed.numel(), packed.dtype, pg)
-    with label("reduce_scatter issue", lambda: _paths(parts)):
-        pending = C.reduce_scatter(packed, pg, plan.rs_op, comm)
+        numel = group.world * sum(part.numel for part in parts)
+        D.check("reduce-scatter", _paths(parts), numel, dtype, pg)
+    grads = [g for part in parts for g in part.grads]
+    parts = [part._replace(grads=[]) for part in parts]  # packed or sent: free them as we go
+    pending = None
+    if (
+        comm is None
+        and plan.pre is None
+        and C.sends_grads_straight(pg, group.world, group.device, plan.rs_op)
+        and C.sends_any_straight(grads, dtype)
+    ):
+        with label("reduce_scatter issue", lambda: _paths(parts)):
+            pending = C.reduce_scatter_grads(grads, dtype, plan.rs_op, pg)
+    if pending is None:
+        with label("reduce_scatter pack", lambda: _paths(parts)):
+            packed = C.pack_for_reduce_scatter(grads, group.world, dtype, comm)
+            del grads
+            if plan.pre is not None:
+                packed.div_(plan.pre)
+        with label("reduce_scatter issue", lambda: _paths(parts)):
+            pending = C.reduce_scatter(packed, pg, plan.rs_op, comm)
     return Reduction(parts, pending, plan)
 
 

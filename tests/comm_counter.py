@@ -7,7 +7,10 @@ numel as a ``Call``. On gloo fsdp2 reduce-scatters by a send/receive exchange (2
 in-place all-reduce of the same input ([Note: gloo reduce-scatter] in fsdp2/_collectives.py);
 the counter records both as ``"RS"`` (with ``api`` ``"exchange"`` or ``"all_reduce"``;
 ``is_fsdp2_reduce_scatter`` tells that all-reduce from others), and its all-gathers by sends
-and receives ([Note: gloo all-gather]) as ``"AG"`` with ``api`` ``"exchange"``.
+and receives ([Note: gloo all-gather]; also straight into the parameters, ``all_gather_into``)
+as ``"AG"`` with ``api`` ``"exchange"``; a 2-rank reduce-scatter sent straight from the
+gradients (``reduce_scatter_grads``) counts as ``"RS"`` ``"exchange"`` with the numel of the
+packed input it stands for.
 ``spy_all_gathers`` / ``spy_reduce_scatters`` show a test every all-gather / reduce-scatter
 either way.
 Tests may interleave marker strings (``mark``, ``mark_computes``) to record
@@ -99,12 +102,32 @@ class CommCounter(contextlib.AbstractContextManager):
             self.events.append(call)
             return gather(output, input, group)
 
-        self._stack.enter_context(
-            mock.patch.object(fsdp2_collectives, "_reduce_scatter_by_exchange", counted_exchange)
-        )
-        self._stack.enter_context(
-            mock.patch.object(fsdp2_collectives, "_all_gather_by_exchange", counted_gather)
-        )
+        into = fsdp2_collectives.all_gather_into
+
+        def counted_into(input: torch.Tensor, sizes: Any, rows: Any, group: Any) -> Any:
+            live = group in dist.distributed_c10d._world.pg_map
+            self.events.append(
+                Call("AG", "exchange", group.size(), input.numel(), self.phase, live)
+            )
+            return into(input, sizes, rows, group)
+
+        straight = fsdp2_collectives.reduce_scatter_grads
+
+        def counted_straight(grads: Any, dtype: Any, op: Any, group: Any) -> Any:
+            pending = straight(grads, dtype, op, group)
+            if pending is not None:  # else packed and counted as an exchange
+                live = group in dist.distributed_c10d._world.pg_map
+                numel = 2 * pending.output.numel()
+                self.events.append(Call("RS", "exchange", 2, numel, self.phase, live))
+            return pending
+
+        for name, fn in (
+            ("_reduce_scatter_by_exchange", counted_exchange),
+            ("_all_gather_by_exchange", counted_gather),
+            ("all_gather_into", counted_into),
+            ("reduce_scatter_grads", counted_straight),
+        ):
+            self._stack.enter_context(mock.patch.object(fsdp2_collectives, name, fn))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -189,10 +212,23 @@ def spy_reduce_scatters(
         record(input.view(-1), op, group)
         return exchange(input, op, group)
 
-    with mock.patch.object(dist, "reduce_scatter_single", spy_rs):
-        with mock.patch.object(dist, "all_reduce", spy_ar):
-            with mock.patch.object(fsdp2_collectives, "_reduce_scatter_by_exchange", spy_exchange):
-                yield
+    straight = fsdp2_collectives.reduce_scatter_grads
+
+    def spy_straight(grads: Any, dtype: torch.dtype, op: Any, group: Any) -> Any:
+        pending = straight(grads, dtype, op, group)
+        if pending is not None:  # the packed input it stands for (else packed and spied)
+            record(torch.empty(2 * pending.output.numel(), dtype=dtype, device="meta"), op, group)
+        return pending
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(dist, "reduce_scatter_single", spy_rs))
+        stack.enter_context(mock.patch.object(dist, "all_reduce", spy_ar))
+        for name, fn in (
+            ("_reduce_scatter_by_exchange", spy_exchange),
+            ("reduce_scatter_grads", spy_straight),
+        ):
+            stack.enter_context(mock.patch.object(fsdp2_collectives, name, fn))
+        yield
 
 
 @contextlib.contextmanager
@@ -214,9 +250,16 @@ def spy_all_gathers(
         record(input, group)
         return gather(output, input, group)
 
+    into = fsdp2_collectives.all_gather_into
+
+    def spy_into(input: torch.Tensor, sizes: Any, rows: Any, group: Any) -> Any:
+        record(input, group)
+        return into(input, sizes, rows, group)
+
     with mock.patch.object(dist, "all_gather_single", spy_ag):
         with mock.patch.object(fsdp2_collectives, "_all_gather_by_exchange", spy_gather):
-            yield
+            with mock.patch.object(fsdp2_collectives, "all_gather_into", spy_into):
+                yield
 
 
 def count_calls(calls: Sequence[Call], *fields: str) -> dict[tuple[Any, ...], int]:
