@@ -282,7 +282,7 @@ def _all_gather_by_exchange(
 # message received into a staging buffer and copied out; a reduce-scatter's small
 # gradients packed rank-major as before, in one message. The bits are the same as the
 # packed path's: copies, and the same a + b per element. On the benchmark Llama this takes
-# the all-gather copy-out and the reduce-scatter packing (about 230 MiB of copies per rank
+# the all-gather copy-out and the reduce-scatter packing (about 240 MiB of copies per rank
 # per step) off the step's thread; see docs/benchmarks.md.
 
 DIRECT_MIN_BYTES = 64 * 1024
