@@ -320,7 +320,6 @@ class Received:
     row from its shard."""
 
     __slots__ = ("works", "staged", "own")
-    own_row = -1  # (``Pending``'s field: nothing of this rank's is left in an output)
 
     def __init__(
         self,
@@ -382,7 +381,7 @@ class _ExchangeGrads:
 
     def __init__(
         self,
-        works: list[Any],
+        works: list[Any] | None,
         dsts: list[torch.Tensor],
         owns: list[torch.Tensor],
         small: tuple[torch.Tensor, torch.Tensor, list[int], list[torch.Tensor]] | None,
@@ -393,11 +392,11 @@ class _ExchangeGrads:
         self.output = output
 
     def wait(self) -> None:
-        if not self.works:
+        if self.works is None:  # done
             return
         for w in self.works:
             w.wait()
-        self.works = []
+        self.works = None
         if self.dsts:
             torch._foreach_add_(self.dsts, self.owns)  # a + b: the same bits in either order
         if self.small is not None:
