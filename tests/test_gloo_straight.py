@@ -13,6 +13,8 @@ after the receives finish) and HSDP."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,7 +25,7 @@ from helpers import ENGINES, hsdp_mesh, train_and_compare, world_mesh
 from models import make_optimizer
 
 from fsdp2 import _collectives as C
-from fsdp2._param_group import Sharded
+from fsdp2._param_group import ParamGroup, Sharded
 from fsdp2._state import state_of
 
 
@@ -182,7 +184,15 @@ def _uneven_parity(variant: str) -> None:
         for m in (ref, *models.values()):
             m.skip = variant == "skip" and step == 1
 
-    with CommCounter() as counter:
+    cancelled: list[str] = []  # groups whose all-gather was received but never used
+    reshard = ParamGroup._reshard
+
+    def spy_reshard(group: ParamGroup, to_small: bool) -> None:
+        if isinstance(group._pending_ag, C.Received):
+            cancelled.append(group.path)
+        reshard(group, to_small)
+
+    with CommCounter() as counter, mock.patch.object(ParamGroup, "_reshard", spy_reshard):
         train_and_compare(
             ref,
             models,
@@ -195,6 +205,7 @@ def _uneven_parity(variant: str) -> None:
         )
     apis = {(c.kind, c.api) for c in counter.calls if c.group_size == 2}
     assert {("AG", "exchange"), ("RS", "exchange")} <= apis, apis
+    assert cancelled == (["layers.2"] if variant == "skip" else []), cancelled
 
 
 @pytest.mark.parametrize("variant", ["uneven", "skip"])
