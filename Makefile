@@ -12,7 +12,21 @@ LINT_PATHS := fsdp2 tests benchmarks examples
 PYTEST_ARGS ?=
 TRAIN_ARGS ?=
 
-.PHONY: venv test train lint clean distclean
+# Other torch releases fsdp2 supports (fsdp2/_compat.py), each in a venv of its own
+# (.venv-torch<version>: the registry's CUDA builds, ~5 GB, about a minute to install; they run
+# on the CPU), and the compatibility subset `make compat` runs on each.
+COMPAT_TORCH ?= 2.11.0 2.14.1
+COMPAT_TESTS ?= tests/test_parity.py tests/test_mixed_precision.py tests/test_meta_init.py \
+	tests/test_checkpoint.py tests/test_full_checkpoint.py tests/test_compile.py \
+	tests/test_torchao.py::test_float8_llama_parity
+
+# `make gpu-check`: on a GPU machine with its own torch (no venv there: python3), or on the
+# CPU with DEVICE=cpu (CI); results in $(OUT)/gpu-check.md (benchmarks/gpu_check.py).
+GPU_CHECK_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+DEVICE ?= cuda
+OUT ?= runs/gpu-check
+
+.PHONY: venv test train lint clean distclean compat gpu-check
 
 venv: $(STAMP)
 
@@ -36,6 +50,22 @@ $(VENV)/.installed-dev: $(STAMP)
 	$(BIN)/python -m pip install -e '.[test,dev]'
 	touch $@
 
+compat: $(foreach v,$(COMPAT_TORCH),compat-$(v))
+
+compat-%: .venv-torch%/.installed
+	.venv-torch$*/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
+	.venv-torch$*/bin/python benchmarks/gpu_check.py --device cpu --skip-bench \
+		--out runs/gpu-check-torch$*
+
+.venv-torch%/.installed: pyproject.toml
+	test -x .venv-torch$*/bin/python || $(PYTHON) -m venv .venv-torch$*
+	.venv-torch$*/bin/python -m pip install -q torch==$*
+	.venv-torch$*/bin/python -m pip install -q -e '.[test]'
+	touch $@
+
+gpu-check:
+	$(GPU_CHECK_PYTHON) benchmarks/gpu_check.py --device $(DEVICE) --out $(OUT)
+
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/ruff format --check $(LINT_PATHS)
@@ -46,4 +76,4 @@ clean:
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) .venv-torch*

@@ -1,7 +1,11 @@
 """fsdp2: fully sharded data parallel training for PyTorch, API-compatible
-with torch's FSDP2 ``fully_shard`` (torch 2.13)."""
+with torch's FSDP2 ``fully_shard`` (torch 2.13's API; runs on torch 2.11 to 2.14)."""
 
-from . import checkpoint, optim
+from . import (
+    _compat,  # noqa: F401  (first: refuses a torch older than fsdp2 supports)
+    checkpoint,
+    optim,
+)
 from ._debug import is_debug, set_debug
 from .api import (
     AllGather,

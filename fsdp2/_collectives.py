@@ -14,18 +14,19 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from . import _compat
 from .api import AllGather, Comm, ReduceScatter
 
 
 def _all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> Any:
     # Looked up at call time so tests can count calls by patching torch.distributed.
-    return dist.all_gather_single(output, input, group=group, async_op=True)
+    return _compat.all_gather_single(output, input, group, async_op=True)
 
 
 def _reduce_scatter(
     output: torch.Tensor, input: torch.Tensor, op: Any, group: dist.ProcessGroup
 ) -> Any:
-    return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=True)
+    return _compat.reduce_scatter_single(output, input, op, group, async_op=True)
 
 
 class SharedWork:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import _compat
 from ._mesh import separate_shard_group
 from ._param_group import ParamGroup
 from ._state import FSDPState, state_of
@@ -393,7 +394,7 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
 
 def _on_stream(hook: Callable[[torch.Tensor], None], stream: Any) -> Callable[[torch.Tensor], None]:
     def run(output: torch.Tensor) -> None:
-        current = torch.accelerator.current_stream(output.device)
+        current = torch.get_device_module(output.device).current_stream(output.device)
         stream.wait_stream(current)
         with torch.get_device_module(output.device.type).stream(stream):
             hook(output)
@@ -435,11 +436,9 @@ class _BackendAlloc(AllGather, ReduceScatter):
     ) -> dist.Work | None:
         work: dist.Work | None
         if args:  # reduce-scatter: (..., op)
-            work = dist.reduce_scatter_single(
-                output_tensor, input_tensor, op=args[0], group=group, async_op=async_op
+            work = _compat.reduce_scatter_single(
+                output_tensor, input_tensor, args[0], group, async_op=async_op
             )
         else:
-            work = dist.all_gather_single(
-                output_tensor, input_tensor, group=group, async_op=async_op
-            )
+            work = _compat.all_gather_single(output_tensor, input_tensor, group, async_op=async_op)
         return work

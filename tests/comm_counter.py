@@ -38,6 +38,8 @@ import torch.nn as nn
 from fsdp2 import _collectives as fsdp2_collectives
 
 __all__ = [
+    "AG_API",
+    "RS_API",
     "Call",
     "CommCounter",
     "count_calls",
@@ -47,6 +49,12 @@ __all__ = [
     "spy_all_gathers",
     "spy_reduce_scatters",
 ]
+
+# The single-tensor collectives' names: torch 2.13 renamed them (fsdp2/_compat.py).
+AG_API = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+RS_API = (
+    "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+)
 
 _KINDS = {
     "all_gather_single": "AG",
@@ -193,9 +201,9 @@ def spy_reduce_scatters(
     record: Callable[[torch.Tensor, Any, dist.ProcessGroup | None], None],
 ) -> Iterator[None]:
     """Call ``record(input, op, group)`` for every reduce-scatter issued in the block:
-    ``dist.reduce_scatter_single`` (torch's FSDP2, fsdp2 off gloo) and fsdp2's all-reduce
-    standing in for it on gloo."""
-    rs, ar = dist.reduce_scatter_single, dist.all_reduce
+    ``dist.reduce_scatter_single`` (``RS_API``: torch's FSDP2, fsdp2 off gloo) and fsdp2's
+    all-reduce standing in for it on gloo."""
+    rs, ar = getattr(dist, RS_API), dist.all_reduce
 
     def spy_rs(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):  # type: ignore[no-untyped-def]
         record(input, op, group)
@@ -221,7 +229,7 @@ def spy_reduce_scatters(
         return pending
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(dist, "reduce_scatter_single", spy_rs))
+        stack.enter_context(mock.patch.object(dist, RS_API, spy_rs))
         stack.enter_context(mock.patch.object(dist, "all_reduce", spy_ar))
         for name, fn in (
             ("_reduce_scatter_by_exchange", spy_exchange),
@@ -236,9 +244,9 @@ def spy_all_gathers(
     record: Callable[[torch.Tensor, dist.ProcessGroup | None], None],
 ) -> Iterator[None]:
     """Call ``record(input, group)`` for every all-gather issued in the block:
-    ``dist.all_gather_single`` (torch's FSDP2, fsdp2 off gloo) and fsdp2's sends and
-    receives standing in for it on gloo."""
-    ag = dist.all_gather_single
+    ``dist.all_gather_single`` (``AG_API``: torch's FSDP2, fsdp2 off gloo) and fsdp2's sends
+    and receives standing in for it on gloo."""
+    ag = getattr(dist, AG_API)
 
     def spy_ag(output, input, group=None, async_op=False, **kw):  # type: ignore[no-untyped-def]
         record(input, group)
@@ -256,7 +264,7 @@ def spy_all_gathers(
         record(input, group)
         return into(input, sizes, rows, group)
 
-    with mock.patch.object(dist, "all_gather_single", spy_ag):
+    with mock.patch.object(dist, AG_API, spy_ag):
         with mock.patch.object(fsdp2_collectives, "_all_gather_by_exchange", spy_gather):
             with mock.patch.object(fsdp2_collectives, "all_gather_into", spy_into):
                 yield

@@ -262,6 +262,8 @@ def local_loss(model: nn.Module, name: str, x: torch.Tensor, y: torch.Tensor) ->
     out = model(x)
     if name == "transformer":
         return F.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1))
+    if out.dtype != y.dtype:  # a low-precision output: torch < 2.13 has no mixed-dtype backward
+        out = out.to(y.dtype)
     return F.mse_loss(out, y)
 
 
@@ -325,7 +327,8 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
 
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_all_gather_single = dist.all_gather_single  # taken at import: no CommCounter patch sees it
+# taken at import: no CommCounter patch sees it (torch 2.13 renamed all_gather_into_tensor)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _shard0_dim(t: Any) -> int | None:

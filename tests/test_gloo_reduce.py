@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from _harness import run_on_ranks
-from comm_counter import CommCounter
+from comm_counter import AG_API, CommCounter
 from helpers import ENGINES, train_and_compare, world_mesh
 from models import make_optimizer
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
@@ -74,11 +74,9 @@ def _gathers_equal() -> None:
             with CommCounter() as counter:
                 pending = [C.all_gather(x, group, size) for x in xs]  # all in flight at once
                 got = [p.wait() for p in reversed(pending)][::-1]
-            want_api = [
-                "exchange" if x.nbytes >= C.EXCHANGE_MIN_BYTES else "all_gather_single" for x in xs
-            ]
+            want_api = ["exchange" if x.nbytes >= C.EXCHANGE_MIN_BYTES else AG_API for x in xs]
             assert [(c.kind, c.api) for c in counter.calls] == [("AG", a) for a in want_api]
-            assert "exchange" in want_api and "all_gather_single" in want_api
+            assert "exchange" in want_api and AG_API in want_api
             for x, a, b in zip(xs, got, wants, strict=True):
                 assert torch.equal(a, b), f"{dtype} numel {x.numel()} group of {size}"
 
