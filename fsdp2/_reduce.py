@@ -221,10 +221,13 @@ def land_grads(group: ParamGroup, params: list[FSDPParam], output: torch.Tensor)
     flat = group.sharded_flat
     host_copy = False
     if output.device != flat.device:  # CPU offload: device-to-host
+        # Asynchronous only when nothing reads the copy here: accumulating into existing
+        # gradients adds on the host at once, so it waits for the copy first.
+        accumulate = any(p.sharded.grad is not None for p in params)
+        host_copy = flat.is_pinned() and not accumulate
         host = torch.empty(output.shape, dtype=group.orig_dtype, pin_memory=flat.is_pinned())
-        host.copy_(output, non_blocking=flat.is_pinned())
+        host.copy_(output, non_blocking=host_copy)
         output = host
-        host_copy = flat.is_pinned()
     elif output.dtype != group.orig_dtype:
         output = output.to(group.orig_dtype)
     offset = output.storage_offset()

@@ -158,7 +158,12 @@ class FSDPState:
         elif self.is_root:
             ctx.begin_forward()
             if self.post_optim_event is not None:
-                torch.accelerator.current_stream(self.device).wait_event(self.post_optim_event)
+                if self.device.type != "cpu":  # CPU work is in program order: nothing to wait
+                    # The device module's stream (torch.cuda.Stream) takes both a
+                    # torch.cuda.Event and a torch.Event; torch.Stream takes only the latter.
+                    device_module: Any = torch.get_device_module(self.device)
+                    stream = device_module.current_stream(self.device)
+                    stream.wait_event(self.post_optim_event)
                 self.post_optim_event = None
             if self.device.type != "cpu":
                 args, kwargs = tree_map(self._to_device, (args, kwargs))

@@ -14,7 +14,9 @@ if _TESTS_DIR not in sys.path:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
+    # gpu-marked tests run on CUDA, or on the CPU when asked to (FSDP2_TEST_DEVICE=cpu:
+    # `make gpu-check DEVICE=cpu`; see tests/devices.py).
+    if torch.cuda.is_available() or os.environ.get("FSDP2_TEST_DEVICE") == "cpu":
         return
     skip = pytest.mark.skip(reason="needs CUDA; torch.cuda.is_available() is False")
     for item in items:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from _harness import run_on_ranks
+from devices import REPEATS, require_cuda
 from helpers import check_close, check_same, world_mesh
 from models import (
     build,
@@ -279,4 +280,6 @@ def _train_offloaded_cuda(offloaded: str, pin_memory: bool) -> None:
 @pytest.mark.parametrize("offloaded", ["all", "blocks"])
 @pytest.mark.parametrize("pin_memory", [True, False], ids=["pin", "nopin"])
 def test_cpu_offload_cuda(pin_memory: bool, offloaded: str) -> None:
-    run_on_ranks(1, _train_offloaded_cuda, offloaded, pin_memory)
+    require_cuda("offloading from a GPU")  # tests/devices.py: make gpu-check DEVICE=cpu
+    for _ in range(REPEATS):
+        run_on_ranks(1, _train_offloaded_cuda, offloaded, pin_memory)

@@ -671,3 +671,18 @@ def _reshard_int_checkpointed() -> None:
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_reshard_after_forward_int_with_checkpointing(world_size: int) -> None:
     _run(world_size, _reshard_int_checkpointed)
+
+
+def _post_optim_event_on_cpu() -> None:
+    # On CPU there is no stream to order: the event (a CPU torch.Event cannot even be
+    # recorded) is dropped at the next forward, which trains as usual.
+    def set_event(model: nn.Module, step: int) -> None:
+        if isinstance(model, FSDPModule):  # not the replica
+            model.set_post_optim_event(torch.Event(device="cpu"))
+
+    _compare_training(ResidualNet, _shard, before_step=set_event)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_post_optim_event_on_cpu_is_dropped(world_size: int) -> None:
+    _run(world_size, _post_optim_event_on_cpu)

@@ -1,0 +1,403 @@
+"""The GPU numbers of ``make gpu-check``: fsdp2 against torch's FSDP2 and the unsharded model.
+
+Three parts, each printed as a table and written as JSON (``--json``):
+
+* ``step``: world size 1 (NCCL), a Llama (8 layers, dim 2048, vocabulary 32000, 4 x 2048
+  tokens), bf16 mixed precision (``param_dtype=bf16, reduce_dtype=fp32``; the unsharded model
+  under ``torch.autocast(bf16)``), AdamW. The unsharded model, fsdp2, fsdp2 with
+  ``fsdp2.optim.step_on_local_shards`` and torch's FSDP2 live side by side and step in turn
+  (interleaved), each step timed between two ``torch.cuda.synchronize()``. Reported: median
+  step time, the per-round ratios' median and range, the step's peak memory above what was
+  allocated before it, and the last loss of each (they must agree).
+  Targets: fsdp2 at most 1.03x the unsharded model, at most torch's.
+* ``memory``: ``torch.cuda.max_memory_allocated`` of a steady-state step (the third) of a
+  ~1B-parameter Llama (18 layers, dim 2048) on rank 0 of 8, through torch's fake process
+  group (collectives return at once, so one GPU holds one rank's share), built on the meta
+  device and sharded, bf16 mixed precision, AdamW; each engine in a fresh process.
+  Target: at most torch's.
+* ``offload``: ``CPUOffloadPolicy()`` (pinned) at world size 1, a 4-layer Llama dim 2048:
+  interleaved step time and the step's GPU peak, fsdp2 against torch's FSDP2.
+
+``--device cpu`` runs the same code on a tiny model with gloo (what CI checks: the harness,
+not the numbers); memory there is the live tensor bytes of ``benchmarks/_memory.py``.
+
+    python benchmarks/gpu_bench.py --part step --json runs/gpu/step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(_HERE))
+sys.path.insert(0, _HERE)
+
+import fsdp2  # noqa: E402
+from fsdp2.models import Llama, LlamaConfig  # noqa: E402
+
+MiB = 2**20
+PARTS = ("step", "memory", "offload")
+
+
+# name -> (config, batch, seq) per size; "small" is what --device cpu runs.
+def _llama(vocab: int, dim: int, layers: int, heads: int, seq: int) -> LlamaConfig:
+    return LlamaConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads, max_seq_len=seq)
+
+
+SHAPES: dict[str, dict[str, tuple[LlamaConfig, int, int]]] = {
+    "full": {
+        "step": (_llama(32000, 2048, 8, 16, 2048), 4, 2048),
+        "memory": (_llama(32000, 2048, 18, 16, 2048), 2, 2048),
+        "offload": (_llama(32000, 2048, 4, 16, 2048), 2, 2048),
+    },
+    "small": {
+        "step": (_llama(512, 64, 2, 4, 64), 2, 64),
+        "memory": (_llama(512, 64, 3, 4, 64), 2, 64),
+        "offload": (_llama(512, 64, 2, 4, 64), 2, 64),
+    },
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _init_one_rank(device: str) -> None:
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _allocated(device: str) -> int:
+    return int(torch.cuda.memory_allocated()) if device == "cuda" else 0
+
+
+def _policies(engine: str, offload: bool) -> dict[str, Any]:
+    if engine == "fsdp2":
+        mp_cls, off_cls = fsdp2.MixedPrecisionPolicy, fsdp2.CPUOffloadPolicy
+    else:
+        from torch.distributed.fsdp import CPUOffloadPolicy as off_cls  # noqa: N813
+        from torch.distributed.fsdp import MixedPrecisionPolicy as mp_cls  # noqa: N813
+    kw: dict[str, Any] = {
+        "mp_policy": mp_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    }
+    if offload:
+        kw["offload_policy"] = off_cls(pin_memory=torch.cuda.is_available())
+    return kw
+
+
+def _shard(model: nn.Module, engine: str, mesh: Any, offload: bool = False) -> nn.Module:
+    if engine == "fsdp2":
+        fn = fsdp2.fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard as fn
+    kw = _policies(engine, offload)
+    for block in model.layers:  # type: ignore[union-attr]
+        fn(block, mesh=mesh, **kw)
+    fn(model, mesh=mesh, **kw)
+    return model
+
+
+def _data(cfg: LlamaConfig, batch: int, seq: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1234)
+    return torch.randint(0, cfg.vocab_size, (n, batch, seq + 1), generator=g)
+
+
+def _spread(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+# ---------------------------------------------------------------------------------------------
+# step: world size 1, interleaved
+
+
+def _interleaved(
+    device: str,
+    models: dict[str, nn.Module],
+    optims: dict[str, torch.optim.Optimizer],
+    data: torch.Tensor,
+    warmup: int,
+    autocast: set[str],
+) -> dict[str, Any]:
+    times: dict[str, list[float]] = {k: [] for k in models}
+    peaks: dict[str, int] = {k: 0 for k in models}
+    losses: dict[str, float] = {}
+    for i in range(data.size(0)):
+        batch = data[i].to(device)
+        for impl, model in models.items():
+            _sync(device)
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            before = _allocated(device)
+            t0 = time.perf_counter()
+            with torch.autocast(device, torch.bfloat16, enabled=impl in autocast):
+                loss = model(batch[:, :-1], batch[:, 1:])
+            loss.backward()
+            optims[impl].step()
+            optims[impl].zero_grad()
+            _sync(device)
+            elapsed = time.perf_counter() - t0
+            if i >= warmup:
+                times[impl].append(elapsed)
+                if device == "cuda":
+                    peak = int(torch.cuda.max_memory_allocated()) - before
+                    peaks[impl] = max(peaks[impl], peak)
+            losses[impl] = float(loss.item())
+    return {"times": times, "peaks": peaks, "losses": losses}
+
+
+def _ratios(times: dict[str, list[float]], num: str, den: str) -> dict[str, float]:
+    return _spread([a / b for a, b in zip(times[num], times[den], strict=True)])
+
+
+def part_step(device: str, size: str, steps: int, warmup: int) -> dict[str, Any]:
+    _init_one_rank(device)
+    mesh = init_device_mesh(device, (1,))
+    cfg, batch, seq = SHAPES[size]["step"]
+    models: dict[str, nn.Module] = {}
+    optims: dict[str, torch.optim.Optimizer] = {}
+    for impl in ("single", "fsdp2", "fsdp2_local_step", "torch_fsdp2"):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Llama(cfg)
+        if impl != "single":
+            _shard(model, "torch" if impl == "torch_fsdp2" else "fsdp2", mesh)
+        models[impl] = model
+        optims[impl] = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        if impl == "fsdp2_local_step":
+            fsdp2.optim.step_on_local_shards(optims[impl])
+    data = _data(cfg, batch, seq, steps + warmup)
+    run = _interleaved(device, models, optims, data, warmup, autocast={"single"})
+    times = run["times"]
+    out = {
+        "part": "step",
+        "what": f"world size 1, Llama {cfg.n_layers} layers dim {cfg.dim} vocab "
+        f"{cfg.vocab_size}, {batch}x{seq} tokens, bf16 mixed precision, AdamW",
+        "impls": {
+            k: {
+                "step_s": _spread(v),
+                "peak_above_resident_mib": run["peaks"][k] / MiB if device == "cuda" else None,
+                "last_loss": run["losses"][k],
+            }
+            for k, v in times.items()
+        },
+        "ratios": {
+            "fsdp2 / single": _ratios(times, "fsdp2", "single"),
+            "fsdp2_local_step / single": _ratios(times, "fsdp2_local_step", "single"),
+            "fsdp2 / torch_fsdp2": _ratios(times, "fsdp2", "torch_fsdp2"),
+            "torch_fsdp2 / single": _ratios(times, "torch_fsdp2", "single"),
+        },
+        "targets": {"fsdp2 / single": 1.03, "fsdp2 / torch_fsdp2": 1.0},
+    }
+    dist.destroy_process_group()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# memory: rank 0 of 8 through the fake process group, one engine per process
+
+
+def _memory_one(device: str, size: str, engine: str, world: int) -> dict[str, Any]:
+    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world)
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    mesh = init_device_mesh(device, (world,))
+    cfg, batch, seq = SHAPES[size]["memory"]
+    with torch.device("meta"):
+        model = Llama(cfg)
+    _shard(model, engine, mesh)
+    model.to_empty(device=device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().normal_(std=0.02)
+    model.rope = model._rope(torch.device(device))  # a non-persistent buffer
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    data = _data(cfg, batch, seq, 3)
+    n_params = sum(p.numel() for p in model.parameters())
+
+    def step(i: int) -> None:
+        b = data[i].to(device)
+        model(b[:, :-1], b[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(0)
+    step(1)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        resident = int(torch.cuda.memory_allocated())
+        step(2)
+        torch.cuda.synchronize()
+        peak = int(torch.cuda.max_memory_allocated())
+    else:
+        from _memory import peak_step_bytes
+
+        resident = 0
+        peak = int(peak_step_bytes(lambda: step(2), model, opt))
+    dist.destroy_process_group()
+    return {
+        "engine": engine,
+        "params": n_params,
+        "resident_mib": resident / MiB,
+        "peak_mib": peak / MiB,
+    }
+
+
+def part_memory(device: str, size: str, world: int) -> dict[str, Any]:
+    cfg = SHAPES[size]["memory"][0]
+    results = {}
+    for engine in ("fsdp2", "torch_fsdp2"):
+        cmd = [sys.executable, os.path.abspath(__file__), "--part", "memory-one"]
+        cmd += ["--device", device, "--size", size, "--engine", engine, "--world", str(world)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{engine} memory run failed:\n{proc.stdout}\n{proc.stderr}")
+        results[engine] = json.loads(proc.stdout.strip().splitlines()[-1])
+    ours, theirs = results["fsdp2"]["peak_mib"], results["torch_fsdp2"]["peak_mib"]
+    return {
+        "part": "memory",
+        "what": f"rank 0 of {world} (fake process group), Llama {cfg.n_layers} layers dim "
+        f"{cfg.dim} vocab {cfg.vocab_size} ({results['fsdp2']['params'] / 1e9:.2f}B "
+        "parameters), bf16 mixed precision, AdamW, steady-state step",
+        "impls": results,
+        "ratios": {"fsdp2 / torch_fsdp2 peak": {"median": ours / theirs}},
+        "targets": {"fsdp2 / torch_fsdp2 peak": 1.0},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# offload: CPUOffloadPolicy at world size 1
+
+
+def part_offload(device: str, size: str, steps: int, warmup: int) -> dict[str, Any]:
+    _init_one_rank(device)
+    mesh = init_device_mesh(device, (1,))
+    cfg, batch, seq = SHAPES[size]["offload"]
+    models: dict[str, nn.Module] = {}
+    optims: dict[str, torch.optim.Optimizer] = {}
+    for impl in ("fsdp2", "torch_fsdp2"):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Llama(cfg)
+        models[impl] = _shard(model, "torch" if impl == "torch_fsdp2" else "fsdp2", mesh, True)
+        optims[impl] = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    data = _data(cfg, batch, seq, steps + warmup)
+    run = _interleaved(device, models, optims, data, warmup, autocast=set())
+    times = run["times"]
+    out = {
+        "part": "offload",
+        "what": f"world size 1, CPUOffloadPolicy(), Llama {cfg.n_layers} layers dim {cfg.dim} "
+        f"vocab {cfg.vocab_size}, {batch}x{seq} tokens, bf16 mixed precision, AdamW",
+        "impls": {
+            k: {
+                "step_s": _spread(v),
+                "peak_above_resident_mib": run["peaks"][k] / MiB if device == "cuda" else None,
+                "last_loss": run["losses"][k],
+            }
+            for k, v in times.items()
+        },
+        "ratios": {"fsdp2 / torch_fsdp2": _ratios(times, "fsdp2", "torch_fsdp2")},
+        "targets": {"fsdp2 / torch_fsdp2": 1.0},
+    }
+    if device == "cuda":
+        ours = run["peaks"]["fsdp2"] / max(run["peaks"]["torch_fsdp2"], 1)
+        out["ratios"]["fsdp2 / torch_fsdp2 peak"] = {"median": ours}
+    dist.destroy_process_group()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def table(result: dict[str, Any]) -> str:
+    """A markdown table of one part's result."""
+    lines = [f"**{result['part']}**: {result['what']}", ""]
+    impls = result["impls"]
+    if result["part"] == "memory":
+        lines += ["| impl | peak MiB | resident MiB |", "| --- | ---: | ---: |"]
+        for k, v in impls.items():
+            lines.append(f"| {k} | {v['peak_mib']:.0f} | {v['resident_mib']:.0f} |")
+    else:
+        lines += [
+            "| impl | step s (median) | min | max | step peak above resident MiB | last loss |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for k, v in impls.items():
+            s, peak = v["step_s"], v["peak_above_resident_mib"]
+            peak_s = "n/a" if peak is None else f"{peak:.0f}"
+            lines.append(
+                f"| {k} | {s['median']:.4f} | {s['min']:.4f} | {s['max']:.4f} | {peak_s} | "
+                f"{v['last_loss']:.4f} |"
+            )
+    lines += ["", "| ratio | median | min | max | target |", "| --- | ---: | ---: | ---: | ---: |"]
+    for k, v in result["ratios"].items():
+        target = result.get("targets", {}).get(k)
+        lo, hi = v.get("min"), v.get("max")
+        lines.append(
+            f"| {k} | {v['median']:.3f} | {'' if lo is None else f'{lo:.3f}'} | "
+            f"{'' if hi is None else f'{hi:.3f}'} | {'' if target is None else f'<= {target}'} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=(*PARTS, "memory-one"), required=True)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--size", choices=tuple(SHAPES), default=None, help="default: by device")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default by part)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--world", type=int, default=8, help="memory: the simulated world size")
+    ap.add_argument("--engine", default="fsdp2", help="memory-one: fsdp2 or torch_fsdp2")
+    ap.add_argument("--json", default=None, help="write the result here")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch.cuda.is_available() is False (use --device cpu)")
+    size = args.size or ("full" if args.device == "cuda" else "small")
+    if args.part == "memory-one":
+        engine = "torch" if args.engine == "torch_fsdp2" else "fsdp2"
+        print(json.dumps(_memory_one(args.device, size, engine, args.world)))
+        return
+    if args.part == "step":
+        result = part_step(args.device, size, args.steps or 20, args.warmup)
+    elif args.part == "memory":
+        result = part_memory(args.device, size, args.world)
+    else:
+        result = part_offload(args.device, size, args.steps or 6, min(args.warmup, 2))
+    result.update(device=args.device, size=size, torch=torch.__version__)
+    print(table(result))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
