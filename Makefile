@@ -12,10 +12,18 @@ LINT_PATHS := fsdp2 tests benchmarks examples
 PYTEST_ARGS ?=
 TRAIN_ARGS ?=
 
-# Other torch releases fsdp2 supports (fsdp2/_compat.py), each in a venv of its own
-# (.venv-torch<version>: the registry's CUDA builds, ~5 GB, about a minute to install; they run
-# on the CPU), and the compatibility subset `make compat` runs on each.
+# Other torch releases fsdp2 supports (fsdp2/_compat.py), each in a venv of its own under
+# COMPAT_VENVS (outside the clone, so a later clone on the same machine reuses it; the
+# registry's CUDA builds, ~5 GB, about a minute to install; they run on the CPU) holding torch
+# and the test extras, not fsdp2: the compatibility subset `make compat` runs on each imports
+# this checkout's fsdp2 (PYTHONPATH). The stamp names pyproject.toml's hash: new
+# requirements, new install.
 COMPAT_TORCH ?= 2.11.0 2.14.1
+COMPAT_VENVS ?= $(HOME)/.cache/fsdp2-compat
+COMPAT_STAMP := .installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+COMPAT_REQS = $(shell $(PYTHON) -c "import tomllib; p = tomllib.load(open('pyproject.toml', \
+	'rb'))['project']; print(' '.join(repr(r) for r in p['dependencies'] + \
+	p['optional-dependencies']['test']))")
 COMPAT_TESTS ?= tests/test_parity.py tests/test_mixed_precision.py tests/test_meta_init.py \
 	tests/test_checkpoint.py tests/test_full_checkpoint.py tests/test_compile.py \
 	tests/test_torchao.py::test_float8_llama_parity
@@ -52,15 +60,17 @@ $(VENV)/.installed-dev: $(STAMP)
 
 compat: $(foreach v,$(COMPAT_TORCH),compat-$(v))
 
-compat-%: .venv-torch%/.installed
-	.venv-torch$*/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
-	.venv-torch$*/bin/python benchmarks/gpu_check.py --device cpu --skip-bench \
+compat-%: $(COMPAT_VENVS)/torch-%/$(COMPAT_STAMP)
+	PYTHONPATH=$(CURDIR) $(COMPAT_VENVS)/torch-$*/bin/python -m pytest -q -p no:cacheprovider \
+		$(COMPAT_TESTS)
+	$(COMPAT_VENVS)/torch-$*/bin/python benchmarks/gpu_check.py --device cpu --skip-bench \
 		--out runs/gpu-check-torch$*
 
-.venv-torch%/.installed: pyproject.toml
-	test -x .venv-torch$*/bin/python || $(PYTHON) -m venv .venv-torch$*
-	.venv-torch$*/bin/python -m pip install -q torch==$*
-	.venv-torch$*/bin/python -m pip install -q -e '.[test]'
+.PRECIOUS: $(COMPAT_VENVS)/torch-%/$(COMPAT_STAMP)
+$(COMPAT_VENVS)/torch-%/$(COMPAT_STAMP):
+	test -x $(COMPAT_VENVS)/torch-$*/bin/python || $(PYTHON) -m venv $(COMPAT_VENVS)/torch-$*
+	$(COMPAT_VENVS)/torch-$*/bin/python -m pip install -q torch==$* $(COMPAT_REQS)
+	rm -f $(COMPAT_VENVS)/torch-$*/.installed-*
 	touch $@
 
 gpu-check:
@@ -76,4 +86,4 @@ clean:
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) .venv-torch*
+	rm -rf $(VENV) $(COMPAT_VENVS)

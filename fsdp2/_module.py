@@ -414,8 +414,10 @@ class _BackendAlloc(AllGather, ReduceScatter):
     def for_group(cls, group: dist.ProcessGroup, device: torch.device) -> _BackendAlloc | None:
         if device.type != "cuda":
             return None  # gloo and CPU tensors: the default allocator is the only one
-        backend = group._get_backend(device)
-        allocator = getattr(backend, "mem_allocator", None)
+        try:  # NCCL built without ncclMemAlloc raises rather than returning None
+            allocator = getattr(group._get_backend(device), "mem_allocator", None)
+        except RuntimeError:
+            allocator = None
         if allocator is None:
             return None
         return cls(torch.cuda.MemPool(allocator))
