@@ -59,6 +59,29 @@ def gpu_test_files() -> list[str]:
     return files
 
 
+def _cuda_environment(env: dict[str, Any]) -> None:
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    env["gpu"] = f"{props.name}, {props.total_memory / 2**30:.0f} GiB"
+    env["gpus"] = torch.cuda.device_count()
+    try:
+        nccl = torch.cuda.nccl.version()
+        env["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+    except (AttributeError, RuntimeError):
+        env["nccl"] = None
+    try:
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        env["driver"] = smi.stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        env["driver"] = None
+
+
 def environment(device: str) -> dict[str, Any]:
     import torch
 
@@ -78,20 +101,10 @@ def environment(device: str) -> dict[str, Any]:
     env["torch"] = torch.__version__
     env["cuda"] = torch.version.cuda
     if device == "cuda":
-        props = torch.cuda.get_device_properties(0)
-        env["gpu"] = f"{props.name}, {props.total_memory / 2**30:.0f} GiB"
-        env["gpus"] = torch.cuda.device_count()
-        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         try:
-            smi = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=20,
-            )
-            env["driver"] = smi.stdout.strip() or None
-        except (OSError, subprocess.TimeoutExpired):
-            env["driver"] = None
+            _cuda_environment(env)
+        except Exception as e:  # the report must still be written
+            env["gpu"] = f"unknown ({type(e).__name__}: {e})"
     try:
         rev = subprocess.run(
             ["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
