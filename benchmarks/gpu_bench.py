@@ -169,6 +169,19 @@ def _interleaved(
     return {"times": times, "peaks": peaks, "losses": losses}
 
 
+def _impl_rows(run: dict[str, Any], device: str) -> dict[str, dict[str, Any]]:
+    """Per implementation: step time spread, the step's peak above what was resident (CUDA),
+    the last loss."""
+    return {
+        k: {
+            "step_s": _spread(v),
+            "peak_above_resident_mib": run["peaks"][k] / MiB if device == "cuda" else None,
+            "last_loss": run["losses"][k],
+        }
+        for k, v in run["times"].items()
+    }
+
+
 def _ratios(times: dict[str, list[float]], num: str, den: str) -> dict[str, float]:
     return _spread([a / b for a, b in zip(times[num], times[den], strict=True)])
 
@@ -196,14 +209,7 @@ def part_step(device: str, size: str, steps: int, warmup: int) -> dict[str, Any]
         "part": "step",
         "what": f"world size 1, Llama {cfg.n_layers} layers dim {cfg.dim} vocab "
         f"{cfg.vocab_size}, {batch}x{seq} tokens, bf16 mixed precision, AdamW",
-        "impls": {
-            k: {
-                "step_s": _spread(v),
-                "peak_above_resident_mib": run["peaks"][k] / MiB if device == "cuda" else None,
-                "last_loss": run["losses"][k],
-            }
-            for k, v in times.items()
-        },
+        "impls": _impl_rows(run, device),
         "ratios": {
             "fsdp2 / single": _ratios(times, "fsdp2", "single"),
             "fsdp2_local_step / single": _ratios(times, "fsdp2_local_step", "single"),
@@ -315,14 +321,7 @@ def part_offload(device: str, size: str, steps: int, warmup: int) -> dict[str, A
         "part": "offload",
         "what": f"world size 1, CPUOffloadPolicy(), Llama {cfg.n_layers} layers dim {cfg.dim} "
         f"vocab {cfg.vocab_size}, {batch}x{seq} tokens, bf16 mixed precision, AdamW",
-        "impls": {
-            k: {
-                "step_s": _spread(v),
-                "peak_above_resident_mib": run["peaks"][k] / MiB if device == "cuda" else None,
-                "last_loss": run["losses"][k],
-            }
-            for k, v in times.items()
-        },
+        "impls": _impl_rows(run, device),
         "ratios": {"fsdp2 / torch_fsdp2": _ratios(times, "fsdp2", "torch_fsdp2")},
         "targets": {"fsdp2 / torch_fsdp2": 1.0},
     }

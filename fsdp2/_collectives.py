@@ -18,17 +18,6 @@ from . import _compat
 from .api import AllGather, Comm, ReduceScatter
 
 
-def _all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> Any:
-    # Looked up at call time so tests can count calls by patching torch.distributed.
-    return _compat.all_gather_single(output, input, group, async_op=True)
-
-
-def _reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, op: Any, group: dist.ProcessGroup
-) -> Any:
-    return _compat.reduce_scatter_single(output, input, op, group, async_op=True)
-
-
 class SharedWork:
     """One collective's work shared by several ``Pending`` (the groups of a bucket):
     the first ``wait`` waits, the others return at once."""
@@ -96,7 +85,7 @@ def all_gather(
     if comm is None and _by_exchange(input, group):
         return _all_gather_by_exchange(output.view(world_size, -1), input, group)
     if comm is None:
-        work = _all_gather(output, input, group)
+        work = _compat.all_gather_single(output, input, group, async_op=True)
     else:
         work = comm(output, input, group, async_op=True)
     return Pending(output.view(world_size, -1), work, input)
@@ -161,7 +150,7 @@ def reduce_scatter(
         return Pending(input[group.rank()], work, input, copy=True)
     output = _empty(input.size(1), input, input.dtype, comm)
     if comm is None:
-        work = _reduce_scatter(output, input.view(-1), op, group)
+        work = _compat.reduce_scatter_single(output, input.view(-1), op, group, async_op=True)
     else:
         work = comm(output, input.view(-1), group, op, async_op=True)
     return Pending(output, work, input)

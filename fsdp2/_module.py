@@ -394,9 +394,11 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
 
 def _on_stream(hook: Callable[[torch.Tensor], None], stream: Any) -> Callable[[torch.Tensor], None]:
     def run(output: torch.Tensor) -> None:
-        current = torch.get_device_module(output.device).current_stream(output.device)
+        # The device module's streams take a torch.cuda.Event / Stream and a torch.Event alike.
+        device_module: Any = torch.get_device_module(output.device)
+        current = device_module.current_stream(output.device)
         stream.wait_stream(current)
-        with torch.get_device_module(output.device.type).stream(stream):
+        with device_module.stream(stream):
             hook(output)
         current.wait_stream(stream)
 

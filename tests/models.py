@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from comm_counter import AG_API
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.checkpoint import checkpoint
 
@@ -327,8 +328,7 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
 
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-# taken at import: no CommCounter patch sees it (torch 2.13 renamed all_gather_into_tensor)
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_all_gather_single = getattr(dist, AG_API)  # taken at import: no CommCounter patch sees it
 
 
 def _shard0_dim(t: Any) -> int | None:

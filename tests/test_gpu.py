@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from _harness import run_on_ranks
+from comm_counter import AG_API, RS_API
 from devices import REPEATS, TEST_DEVICE, one_rank_mesh, require_cuda
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffload
@@ -466,10 +467,8 @@ def _gloo_supports_cuda() -> str | None:
     """None when gloo all-gathers and reduce-scatters CUDA tensors here, else its error."""
     x = torch.ones(4, device="cuda")
     try:
-        ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        ag(torch.empty(8, device="cuda"), x)
-        rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        rs(torch.empty(2, device="cuda"), torch.ones(4, device="cuda"))
+        getattr(dist, AG_API)(torch.empty(8, device="cuda"), x)
+        getattr(dist, RS_API)(torch.empty(2, device="cuda"), torch.ones(4, device="cuda"))
     except (RuntimeError, ValueError, NotImplementedError) as e:
         return f"{type(e).__name__}: {e}".splitlines()[0]
     return None
