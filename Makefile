@@ -12,7 +12,7 @@ LINT_PATHS := fsdp2 tests benchmarks examples
 PYTEST_ARGS ?=
 TRAIN_ARGS ?=
 
-# Other torch releases fsdp2 supports (fsdp2/_compat.py), each in a venv of its own under
+# Other torch releases fsdp2 supports (fsdp2/_core/compat.py), each in a venv of its own under
 # COMPAT_VENVS (outside the clone, so a later clone on the same machine reuses it; the
 # registry's CUDA builds, ~5 GB, about a minute to install; they run on the CPU) holding torch
 # and the test extras, not fsdp2: the compatibility subset `make compat` runs on each imports

@@ -192,7 +192,8 @@ def patch_engines(impls: list[str]) -> None:
     """Label hook entry points, waits and storage resizes. Must run before any
     model is wrapped: the engines register bound methods as hooks."""
     if "fsdp2" in impls:
-        from fsdp2 import _state, _step
+        from fsdp2._core import state as _state
+        from fsdp2._core import step as _step
 
         _patch(
             _state.FSDPState,

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _memory import peak_step_bytes  # noqa: E402
 
-from fsdp2 import _collectives as fsdp2_collectives  # noqa: E402
+from fsdp2._core import collectives as fsdp2_collectives  # noqa: E402
 from fsdp2.models import Llama, LlamaConfig, TransformerBlock  # noqa: E402
 
 IMPLS = ("fsdp2", "torch_fsdp2", "torch_fsdp1", "ddp", "single")

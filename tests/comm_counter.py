@@ -4,7 +4,7 @@
 ``reduce_scatter_single``, ``reduce_scatter_tensor`` and ``all_reduce`` (patched on the module
 for the ``with`` block only, then restored) and records each call's kind, group size and input
 numel as a ``Call``. On gloo fsdp2 reduce-scatters by a send/receive exchange (2 ranks) or an
-in-place all-reduce of the same input ([Note: gloo reduce-scatter] in fsdp2/_collectives.py);
+in-place all-reduce of the same input ([Note: gloo reduce-scatter] in fsdp2/_core/collectives.py);
 the counter records both as ``"RS"`` (with ``api`` ``"exchange"`` or ``"all_reduce"``;
 ``is_fsdp2_reduce_scatter`` tells that all-reduce from others), and its all-gathers by sends
 and receives ([Note: gloo all-gather]; also straight into the parameters, ``all_gather_into``)
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp2 import _collectives as fsdp2_collectives
+from fsdp2._core import collectives as fsdp2_collectives
 
 __all__ = [
     "AG_API",
@@ -50,7 +50,7 @@ __all__ = [
     "spy_reduce_scatters",
 ]
 
-# The single-tensor collectives' names: torch 2.13 renamed them (fsdp2/_compat.py).
+# The single-tensor collectives' names: torch 2.13 renamed them (fsdp2/_core/compat.py).
 AG_API = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 RS_API = (
     "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"

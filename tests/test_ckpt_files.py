@@ -1,4 +1,4 @@
-"""The checkpoint file layer of ``fsdp2.checkpoint`` (``fsdp2/_ckpt_files.py``), one process.
+"""The checkpoint file layer of ``fsdp2.checkpoint`` (``fsdp2/checkpoint/_files.py``), one process.
 
 * Reading boxes: for tensors of 0 to 4 dims and several dtypes (fp32, bf16, int64, bool) in a
   ``safetensors.torch.save_file`` file, every box (random starts and lengths per dim, empty
@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from fsdp2._ckpt_files import StreamWriter, open_source
+from fsdp2.checkpoint._files import StreamWriter, open_source
 
 SHAPES = [(), (7,), (5, 6), (3, 4, 5), (2, 3, 2, 3), (0, 4)]
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.bool]

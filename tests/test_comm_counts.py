@@ -34,7 +34,7 @@ from helpers import ENGINES, mine, world_mesh
 from models import build, full_grads, local_loss, make_batch, shard_model
 from torch.distributed.tensor import DTensor
 
-from fsdp2._state import state_of
+from fsdp2._core.state import state_of
 
 N_BLOCKS = 3
 

@@ -1,4 +1,4 @@
-"""``fsdp2._compat``: the one module that knows which torch release needs what.
+"""``fsdp2._core.compat``: the one module that knows which torch release needs what.
 
 * version parsing (release, local and dev builds) and the clear error of ``require_torch``;
 * the collective shims call ``all_gather_single`` / ``reduce_scatter_single`` where torch has
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from _harness import run_on_ranks
 
-from fsdp2 import _compat
+from fsdp2._core import compat as _compat
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,7 @@ from helpers import hsdp_mesh, world_mesh
 
 import fsdp2
 from fsdp2 import fully_shard
-from fsdp2._debug import _from_env
+from fsdp2._core.debug import _from_env
 from fsdp2.models.llama import Llama, LlamaConfig
 
 TIMEOUT = 3.0  # seconds the debug check waits for other ranks

@@ -31,9 +31,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
-from fsdp2 import _labels, _storage
-from fsdp2.memory import PARTS
+from fsdp2._core import labels as _labels
+from fsdp2._core import storage as _storage
 from fsdp2.models import Llama, LlamaConfig
+from fsdp2.planning.estimate import PARTS
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 from _memory import peak_step_bytes  # noqa: E402

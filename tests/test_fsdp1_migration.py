@@ -44,7 +44,7 @@ from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from fsdp2 import FSDPModule
-from fsdp2._seam import unit_settings
+from fsdp2._core.seam import unit_settings
 from fsdp2.fsdp1 import (
     BackwardPrefetch,
     CPUOffload,
@@ -287,30 +287,33 @@ def test_core_does_not_import_fsdp1() -> None:
 
 
 def test_fsdp1_layer_uses_only_public_api_and_seam() -> None:
-    """The layer's files (``fsdp2/fsdp1.py``, ``fsdp2/_fsdp1_*.py``) import from the core only
-    what ``fsdp2`` exports, ``fsdp2.api`` and ``fsdp2._seam``, and touch no private attribute
-    of the core's objects, so that the core can change behind ``fsdp2._seam``."""
+    """The layer's files (``fsdp2/fsdp1/``) import from the core only what ``fsdp2`` exports,
+    ``fsdp2.api`` and ``fsdp2._core.seam``, and touch no private attribute of the core's
+    objects, so that the core can change behind ``fsdp2._core.seam``."""
     import ast
     import pathlib
 
     import fsdp2
 
-    package = pathlib.Path(fsdp2.__file__).parent
-    files = [package / "fsdp1.py", *sorted(package.glob("_fsdp1_*.py"))]
+    package = pathlib.Path(fsdp2.__file__).parent / "fsdp1"
+    files = sorted(package.glob("*.py"))
     assert len(files) > 1
-    allowed_modules = {"api", "_seam"} | {f.stem for f in files}
+    allowed_modules = {"fsdp2.api", "fsdp2._core.seam"}
     bad = []
     for path in files:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level:
-                if node.module is None:  # from . import X: the package's public names
-                    bad += [
-                        f"{path.name}: .{a.name}" for a in node.names if a.name not in fsdp2.__all__
-                    ]
-                elif node.module not in allowed_modules:
-                    bad.append(f"{path.name}: from .{node.module}")
+                bad.append(f"{path.name}: relative import from .{node.module}")
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fsdp2"):
-                bad.append(f"{path.name}: from {node.module}")
+                module = node.module or ""
+                if module == "fsdp2":  # the package's public names
+                    bad += [
+                        f"{path.name}: fsdp2.{a.name}"
+                        for a in node.names
+                        if a.name not in fsdp2.__all__
+                    ]
+                elif module not in allowed_modules and not module.startswith("fsdp2.fsdp1"):
+                    bad.append(f"{path.name}: from {module}")
             elif isinstance(node, ast.Attribute) and node.attr.startswith("_fsdp"):
                 bad.append(f"{path.name}:{node.lineno}: .{node.attr}")
     assert not bad, bad

@@ -89,7 +89,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from tp_models import TPModel, make_meshes, parallelize, tp_batch, tp_loss
 
 import fsdp2
-import fsdp2._ckpt_files
+import fsdp2.checkpoint._files
 from fsdp2 import fully_shard
 from fsdp2.checkpoint import LoadResult, load_full_checkpoint, save_full_checkpoint
 from fsdp2.models.llama import Llama, LlamaConfig
@@ -451,13 +451,13 @@ def _record_writers() -> tuple[list[str], Any]:
     """Patch ``StreamWriter.__init__`` to record the files this rank writes; returns the list
     and the original (restore it!)."""
     seen: list[str] = []
-    original = fsdp2._ckpt_files.StreamWriter.__init__
+    original = fsdp2.checkpoint._files.StreamWriter.__init__
 
     def init(self: Any, path: str, specs: Any) -> None:
         seen.append(os.path.basename(path))
         original(self, path, specs)
 
-    fsdp2._ckpt_files.StreamWriter.__init__ = init
+    fsdp2.checkpoint._files.StreamWriter.__init__ = init
     return seen, original
 
 
@@ -471,7 +471,7 @@ def _files_case(root: str, case: str) -> Any:
             kw = {"writers": 1} if case == "writers=1" else {}
             written = save_full_checkpoint(_shard(_build(0)), root, max_shard_size="8KiB", **kw)
         finally:
-            fsdp2._ckpt_files.StreamWriter.__init__ = original
+            fsdp2.checkpoint._files.StreamWriter.__init__ = original
         if rank == 0:
             files = _check_index(root, want, SMALL, case)
             assert written == [os.path.join(root, f) for f in files] + [os.path.join(root, INDEX)]
@@ -1055,7 +1055,7 @@ def _fail_on_rank1(root: str, where: str) -> None:
     save_full_checkpoint(_shard(_build(1)), old, max_shard_size=SMALL)
     old_files = sorted(os.listdir(old))
     assert INDEX in old_files and len(old_files) > 3, old_files
-    cls = fsdp2._ckpt_files.StreamWriter
+    cls = fsdp2.checkpoint._files.StreamWriter
     original = getattr(cls, where)
 
     def fail(self: Any, *args: Any) -> None:

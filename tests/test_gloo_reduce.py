@@ -1,5 +1,5 @@
 """fsdp2 reduce-scatters on gloo by its own means ([Note: gloo reduce-scatter] in
-fsdp2/_collectives.py): on 2 ranks by exchanging rows (one send and one receive, then
+fsdp2/_core/collectives.py): on 2 ranks by exchanging rows (one send and one receive, then
 adding the received row to its own), on more by an in-place all-reduce of the packed input,
 keeping its own row. That is only right while the result is bitwise what gloo's
 ``reduce_scatter_tensor`` returns: checked here on 2 and 4 ranks for SUM and AVG in fp32 and
@@ -27,7 +27,7 @@ from models import make_optimizer
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 
 from fsdp2 import MixedPrecisionPolicy
-from fsdp2 import _collectives as C
+from fsdp2._core import collectives as C
 
 
 def _rows_equal(dtype: torch.dtype) -> None:

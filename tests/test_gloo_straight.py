@@ -1,6 +1,6 @@
 """On gloo, fsdp2's all-gathers receive straight into the unsharded parameters and its
 2-rank reduce-scatters send straight from the gradients ([Note: gloo straight in and out]
-in fsdp2/_collectives.py): no rank-major output to copy out of, no packed input to copy into.
+in fsdp2/_core/collectives.py): no rank-major output to copy out of, no packed input to copy into.
 
 That is only right while the results are bitwise what the packed path gives, which is gloo's
 own (tests/test_gloo_reduce.py): checked here for the collectives alone, on gradient and
@@ -24,9 +24,9 @@ from comm_counter import CommCounter
 from helpers import ENGINES, hsdp_mesh, train_and_compare, world_mesh
 from models import make_optimizer
 
-from fsdp2 import _collectives as C
-from fsdp2._param_group import ParamGroup, Sharded
-from fsdp2._state import state_of
+from fsdp2._core import collectives as C
+from fsdp2._core.group import ParamGroup, Sharded
+from fsdp2._core.state import state_of
 
 
 def _grads(dtype: torch.dtype) -> list[torch.Tensor]:

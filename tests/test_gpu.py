@@ -312,7 +312,7 @@ def test_cpu_offload_with_gradient_accumulation(pin: bool) -> None:
 
 
 def _backend_alloc() -> bool:
-    from fsdp2._module import _BackendAlloc
+    from fsdp2._core.module import _BackendAlloc
 
     mesh = one_rank_mesh()
     device = torch.device("cuda", 0)

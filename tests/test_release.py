@@ -2,7 +2,7 @@
 unsharded buffer of each parameter no autograd node holds when backward begins (an
 embedding's weight: its backward reads only the indices), register it sharded meanwhile,
 and gather it again if a module owning it runs forward (an activation-checkpoint
-recompute). [Note: release] in fsdp2/_param_group.py.
+recompute). [Note: release] in fsdp2/_core/group.py.
 
 Each test trains fsdp2 and torch's FSDP2 side by side against a replicated reference
 (``train_and_compare``: losses, gradients and parameters every step, fsdp2 == torch
@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fsdp2
 from fsdp2 import FSDPModule
-from fsdp2._state import state_of
+from fsdp2._core.state import state_of
 
 
 class _DetachedHead(nn.Module):

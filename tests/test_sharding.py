@@ -1,6 +1,6 @@
 """Checks the dim-0 sharding math and what users see of it.
 
-``fsdp2._param.chunk_rows`` is compared with ``torch.chunk`` for every (size, world, rank)
+``fsdp2._core.param.chunk_rows`` is compared with ``torch.chunk`` for every (size, world, rank)
 hypothesis draws. Then, on 2 and 4 gloo ranks, a derandomized hypothesis loop runs inside
 one rank function (every rank draws the same examples) over parameter shapes of 0-3 dims
 with dim sizes 0..9, including dim 0 smaller than the world size: after ``fully_shard`` on a
@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp2 import fully_shard
-from fsdp2._param import chunk_rows
+from fsdp2._core.param import chunk_rows
 
 WORLD_SIZES = [2, 4]
 

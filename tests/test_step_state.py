@@ -1,4 +1,4 @@
-"""The step's state machine (``StepPhase`` / ``TrainingState`` in fsdp2/_step.py) turns
+"""The step's state machine (``StepPhase`` / ``TrainingState`` in fsdp2/_core/step.py) turns
 orders of hooks fsdp2 cannot serve into clear errors, raised on every rank before any
 collective, instead of silently unreduced gradients:
 

@@ -1,0 +1,312 @@
+"""What a ``fully_shard`` mesh means: FSDP (1D) or HSDP (2D), its groups, its device."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from fsdp2.api import DataParallelMeshDims
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """The data-parallel layout of one parameter group.
+
+    Parameters are sharded over ``shard_group`` and, for HSDP, replicated over
+    ``replicate_group`` (``None`` for a 1D mesh).
+    """
+
+    mesh: DeviceMesh
+    device: torch.device
+    shard_group: dist.ProcessGroup
+    shard_size: int
+    shard_rank: int
+    replicate_group: dist.ProcessGroup | None
+    replicate_size: int
+    spmd: SPMDMesh | None = None  # set by fully_shard(..., dp_mesh_dims=...)
+
+    def placements(self, shard_dim: int | None) -> tuple[Placement, ...]:
+        """DTensor placements of a parameter sharded on ``shard_dim`` (``None``:
+        replicated, used for 0-dim parameters)."""
+        inner: Placement = Replicate() if shard_dim is None else Shard(shard_dim)
+        return (inner,) if self.replicate_group is None else (Replicate(), inner)
+
+
+def device_of(mesh: DeviceMesh) -> torch.device:
+    """The device a mesh computes on: the current accelerator for accelerator meshes."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = torch.get_device_module(mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
+
+
+def default_mesh() -> DeviceMesh:
+    """A 1D mesh over the default process group, on the current accelerator if
+    the process group can talk to it, else on CPU."""
+    if not dist.is_initialized():
+        raise ValueError(
+            "fully_shard(mesh=None) needs torch.distributed to be initialized: call "
+            "torch.distributed.init_process_group() first or pass mesh=init_device_mesh(...)"
+        )
+    return init_device_mesh(comm_device_type(), (dist.get_world_size(),))
+
+
+def comm_device_type() -> str:
+    """The device type the default process group communicates on: the current
+    accelerator's, unless there is none or the backend is gloo (then ``"cpu"``)."""
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return acc.type if acc is not None and dist.get_backend() != "gloo" else "cpu"
+
+
+def mesh_info(mesh: DeviceMesh) -> MeshInfo:
+    """Validate ``mesh`` and describe it; 1D is FSDP, 2D is HSDP (replicate, shard)."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard expects mesh to be a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard expects a 1D mesh (FSDP) or a 2D mesh (HSDP: replicate x shard), "
+            f"got a {mesh.ndim}D mesh of shape {tuple(mesh.shape)}; for TP/EP slice the "
+            "data-parallel dims first, e.g. mesh['dp'] or mesh['replicate', 'shard']"
+        )
+    shard_dim = mesh.ndim - 1
+    replicate = mesh.get_group(0) if mesh.ndim == 2 else None
+    return MeshInfo(
+        mesh=mesh,
+        device=device_of(mesh),
+        shard_group=mesh.get_group(shard_dim),
+        shard_size=mesh.size(shard_dim),
+        shard_rank=mesh.get_local_rank(shard_dim),
+        replicate_group=replicate,
+        replicate_size=mesh.size(0) if mesh.ndim == 2 else 1,
+    )
+
+
+# [Note: dp_mesh_dims]
+# ``fully_shard(m, mesh=full, dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...))``
+# takes parameters that are DTensors on the full SPMD mesh with ``Replicate()`` on the data
+# parallel dims. It maps onto the tensor-parallel path ([Note: tensor parallel] in param.py):
+# the data-parallel mesh is sliced out of ``full`` (one shard dim, ``(replicate, shard)`` for
+# HSDP, ``(replicate, 1)`` for replicate only; several names are flattened into one dim) and
+# drives the collectives as for ``fully_shard(m, mesh=full["dp"])``; each parameter's
+# full-mesh layout plays the part of the TP layout, so the unsharded parameter is the user's
+# DTensor on ``full`` and the sharded one a DTensor on ``full`` whose shard dim's placement
+# becomes ``Shard(d)`` (``_StridedShard`` when a non-DP dim to its right also shards ``d``).
+
+
+@dataclass(frozen=True, eq=False)
+class SPMDMesh:
+    """``dp_mesh_dims`` resolved on the full mesh ``mesh`` (see [Note: dp_mesh_dims])."""
+
+    mesh: DeviceMesh
+    shard_dims: tuple[int, ...]
+    replicate_dims: tuple[int, ...]
+    # The sharded parameters' mesh: ``mesh``, except that several shard dims are replaced
+    # by the flattened data-parallel mesh (with its replicate dim, for HSDP), as torch does.
+    spec_mesh: DeviceMesh
+
+    @property
+    def dp_dims(self) -> frozenset[int]:
+        return frozenset(self.shard_dims + self.replicate_dims)
+
+    def sharded_layout(
+        self,
+        placements: tuple[Placement, ...],
+        dp_placements: tuple[Placement, ...],
+        shard_dim: int,
+    ) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+        """Mesh and placements of the FSDP-sharded parameter whose unsharded
+        placements on ``mesh`` are ``placements``; ``dp_placements`` are its
+        placements on the data-parallel mesh alone."""
+        if not self.shard_dims:  # replicate only: parameters keep their layout
+            return self.mesh, placements
+        inner = dp_placements[-1]
+        first = self.shard_dims[0]
+        split = 1
+        for j in range(first + 1, self.mesh.ndim):
+            p = placements[j]
+            if j not in self.dp_dims and isinstance(p, (Shard, _StridedShard)):
+                if p.dim == shard_dim:
+                    split *= self.mesh.size(j)
+        if split > 1 and isinstance(inner, Shard):
+            inner = _StridedShard(shard_dim, split_factor=split)
+        new = list(placements)
+        for i in self.shard_dims:
+            new[i] = inner
+        if len(self.shard_dims) == 1:
+            return self.mesh, tuple(new)
+        out: list[Placement] = []
+        for i in range(self.mesh.ndim):
+            if i == first:
+                out.extend((*dp_placements[:-1], inner))
+            elif i in self.dp_dims:  # in the data-parallel mesh placed at ``first``
+                continue
+            else:
+                out.append(new[i])
+        return self.spec_mesh, tuple(out)
+
+
+def spmd_mesh_info(mesh: DeviceMesh, dims: object) -> MeshInfo:
+    """Validate ``dp_mesh_dims`` against the full mesh ``mesh`` and describe the
+    data-parallel part of it (see [Note: dp_mesh_dims])."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard expects mesh to be a DeviceMesh, got {type(mesh).__name__}")
+    if not isinstance(dims, DataParallelMeshDims):
+        if not (hasattr(dims, "shard") and hasattr(dims, "replicate")):
+            raise TypeError(
+                "dp_mesh_dims must be a DataParallelMeshDims, got " + type(dims).__name__
+            )
+        dims = DataParallelMeshDims(shard=dims.shard, replicate=dims.replicate)  # e.g. torch's
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(
+            "fully_shard(dp_mesh_dims=...) needs a mesh with mesh_dim_names, e.g. "
+            "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
+        )
+    shard, rep = dims.shard_names, dims.replicate_names
+    for name in shard + rep:
+        if name not in names:
+            raise ValueError(
+                f"dp_mesh_dims names mesh dim '{name}', which is not in the mesh's dim names "
+                f"{names}"
+            )
+    if len(set(shard + rep)) != len(shard + rep):
+        raise ValueError(
+            f"dp_mesh_dims names a mesh dim twice: shard={shard}, replicate={rep}; each dim "
+            "is either sharded or replicated over"
+        )
+
+    def sub(group: tuple[str, ...]) -> DeviceMesh:
+        # Several dims act as one: flatten them (cached on the root mesh by name).
+        return mesh[group[0]] if len(group) == 1 else mesh[group]._flatten("_".join(group))
+
+    if not shard:  # replicate only: HSDP with a shard dim of size 1
+        rep_mesh = sub(rep)
+        cache = mesh_cache(mesh).unflattened
+        if rep not in cache:
+            rep_name = "_".join(rep)
+            cache[rep] = rep_mesh._unflatten(
+                0, (rep_mesh.size(), 1), (rep_name, f"{rep_name}_noshard")
+            )
+        dp_mesh = cache[rep]
+    elif not rep:
+        dp_mesh = sub(shard)
+    else:
+        dp_mesh = DeviceMesh._concatenate([sub(rep), sub(shard)])
+    info = mesh_info(dp_mesh)
+    index = {n: i for i, n in enumerate(names)}
+    shard_dims = tuple(sorted(index[n] for n in shard))
+    replicate_dims = tuple(sorted(index[n] for n in rep))
+    spec_mesh = mesh
+    if len(shard_dims) > 1:
+        parts = []
+        for i, name in enumerate(names):
+            if i == shard_dims[0]:
+                parts.append(dp_mesh)
+            elif i not in shard_dims and i not in replicate_dims:
+                parts.append(mesh[name])
+        spec_mesh = DeviceMesh._concatenate(parts)
+    spmd = SPMDMesh(mesh, shard_dims, replicate_dims, spec_mesh)
+    return replace(info, spmd=spmd)
+
+
+def shard_mesh(info: MeshInfo) -> DeviceMesh:
+    """The 1D mesh of the shard dim (the mesh itself for FSDP; for HSDP its last dim)."""
+    mesh = info.mesh
+    if mesh.ndim == 1:
+        return mesh
+    names = mesh.mesh_dim_names
+    if names is not None:
+        return mesh[names[-1]]
+    return DeviceMesh.from_group(info.shard_group, mesh.device_type)
+
+
+def _shard_rows(info: MeshInfo) -> list[list[int]]:
+    """The mesh's ranks, one list per shard group. The mesh's rank tensor is a real
+    tensor: read it outside ``fsdp2.estimate_memory``'s fake mode (where torch ops on it
+    would make fake tensors without values)."""
+    with unset_fake_temporarily():
+        rows: list[list[int]] = info.mesh.mesh.reshape(-1, info.shard_size).tolist()
+    return rows
+
+
+def post_forward_group(info: MeshInfo, reshard_size: int) -> tuple[dist.ProcessGroup, int]:
+    """The group of ``reshard_size`` consecutive shard ranks this rank belongs to
+    (for ``reshard_after_forward=int``), and this rank's index in it.
+
+    Creating groups is collective: every rank creates every block's group in
+    the same order, so all ranks must call this with the same arguments. The
+    groups are cached per mesh (``mesh_cache``), so they live and die with it.
+    """
+    cache = mesh_cache(info.mesh).block_groups
+    if reshard_size not in cache:
+        rows = _shard_rows(info)
+        cache[reshard_size] = [
+            (tuple(row[i : i + reshard_size]), dist.new_group(row[i : i + reshard_size]))
+            for row in rows
+            for i in range(0, len(row), reshard_size)
+        ]
+    rank = dist.get_rank()
+    for ranks, group in cache[reshard_size]:
+        if rank in ranks:
+            return group, ranks.index(rank)
+    raise AssertionError(f"rank {rank} is not in mesh {info.mesh}")
+
+
+def separate_shard_group(info: MeshInfo) -> dist.ProcessGroup:
+    """A second process group over this rank's shard ranks (for reduce-scatters
+    that should not queue behind all-gathers). Collective over all ranks;
+    cached on the mesh like ``post_forward_group``."""
+    cache = mesh_cache(info.mesh)
+    if cache.separate_group is None:
+        for row in _shard_rows(info):
+            group = dist.new_group(row)
+            if dist.get_rank() in row:
+                cache.separate_group = group
+        assert cache.separate_group is not None
+    return cache.separate_group
+
+
+@dataclass
+class MeshCache:
+    """What fsdp2 derives from a ``DeviceMesh`` once and reuses: DTensor specs shared by
+    every parameter of one layout (building one per parameter would dominate
+    ``fully_shard``'s time) and process groups (creating them is collective)."""
+
+    specs: dict[tuple[Any, ...], DTensorSpec] = field(default_factory=dict)
+    unflattened: dict[tuple[str, ...], DeviceMesh] = field(default_factory=dict)
+    block_groups: dict[int, list[tuple[tuple[int, ...], dist.ProcessGroup]]] = field(
+        default_factory=dict
+    )
+    separate_group: dist.ProcessGroup | None = None
+    placeholders: dict[tuple[torch.dtype, torch.device], torch.Tensor] = field(default_factory=dict)
+
+    def placeholder(self, like: torch.Tensor) -> torch.Tensor:
+        """An empty tensor of ``like``'s dtype and device (see ``_param._wrap``)."""
+        key = (like.dtype, like.device)
+        t = self.placeholders.get(key)
+        if t is None:
+            t = self.placeholders[key] = torch.empty(0, dtype=like.dtype, device=like.device)
+        return t
+
+
+# By mesh identity (an equal mesh object gets its own groups, as its user would expect),
+# dropped when the mesh is garbage collected.
+_MESH_CACHES: dict[int, MeshCache] = {}
+
+
+def mesh_cache(mesh: DeviceMesh) -> MeshCache:
+    """``mesh``'s cache (created on first use; lives as long as ``mesh``)."""
+    cache = _MESH_CACHES.get(id(mesh))
+    if cache is None:
+        cache = _MESH_CACHES[id(mesh)] = MeshCache()
+        weakref.finalize(mesh, _MESH_CACHES.pop, id(mesh), None)
+    return cache

@@ -1,0 +1,201 @@
+"""A group's layout after ``fully_shard``: parameters that change under it.
+
+Users and torch replace what a group laid out: ``nn.Module._apply`` (``to_empty``,
+``.to(device or dtype)``) swaps the sharded parameters' local tensors,
+``load_state_dict(assign=True)`` or an assignment registers new parameter objects, and
+all-gather hooks may be patched onto local tensors. These functions bring the group back
+to [Note: flat storage] (in param.py) through its public methods, keeping parameter
+objects (so optimizers built in between stay valid).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fsdp2._core.extension import extension_of
+from fsdp2._core.param import FSDPParam
+
+if TYPE_CHECKING:
+    from fsdp2._core.group import ParamGroup
+
+
+def group_dtype(params: list[FSDPParam], name: str) -> torch.dtype:
+    """The dtype of a group's flat buffer: its trainable parameters' (one dtype for all of
+    them: their gradients are reduced together), else its most common one.
+
+    [Note: other dtypes]
+    A frozen parameter of another dtype (a frozen float8 or bf16 weight next to fp32
+    trainable ones) keeps its own storage and is gathered as bytes in the group's one
+    all-gather, like an extension parameter whose hooks fsdp2 plays itself: the input
+    is its local shard (cast to ``param_dtype`` under mixed precision if it is floating,
+    as torch's FSDP2 does), the unsharded parameter views the output.
+    """
+    trainable = {p.sharded.dtype for p in params if p.requires_grad}
+    if len(trainable) > 1:
+        listing = ", ".join(f"{p.fqn}: {p.sharded.dtype}" for p in params if p.requires_grad)
+        raise ValueError(
+            f"fully_shard({name}) needs one dtype for the trainable parameters it groups "
+            f"(their gradients are reduced together), got {listing}. Cast the module "
+            "(module.to(dtype)) or shard the differing submodules in their own fully_shard "
+            "calls. Frozen parameters (requires_grad=False) may have other dtypes."
+        )
+    if trainable:
+        return trainable.pop()
+    counts: dict[torch.dtype, int] = {}
+    for p in params:
+        counts[p.sharded.dtype] = counts.get(p.sharded.dtype, 0) + 1
+    return max(counts, key=lambda d: counts[d])
+
+
+def adopt_registered(group: ParamGroup) -> None:
+    """Take parameters registered in place of the group's sharded ones as the new
+    sharded parameters, and move their values into the flat buffer.
+
+    Runs after ``load_state_dict(assign=True)`` (a post-hook per owner module) and at
+    lazy init (a parameter replaced after ``fully_shard``, e.g. ``module.weight =
+    nn.Parameter(...)`` after ``to_empty``). The new parameter must be a DTensor with the
+    sharded parameter's placements and local shape (ValueError otherwise, naming it).
+    The flat buffer is rebuilt once none of the group's parameters is half-loaded (some
+    still on meta while others are not), so loading module by module works.
+    """
+    changed = False
+    for p in group.params:
+        m, n = p.owners[0]
+        cur: torch.Tensor | None = m._parameters.get(n)
+        if cur is None or cur is p.sharded or cur is p.unsharded:
+            continue
+        new = _as_sharded(p, cur)
+        p.sharded = new
+        for m2, n2 in p.owners:
+            m2._parameters[n2] = new  # type: ignore[assignment]  # a DTensor Parameter
+        if new.requires_grad != p.requires_grad:
+            p.requires_grad = new.requires_grad
+            if p.unsharded is not None:
+                p.unsharded.requires_grad_(new.requires_grad)
+        changed = True
+    if changed:
+        group.refresh_registrations()
+        group.resync_pending = True
+    if group.resync_pending and len({p.sharded.is_meta for p in group.params}) == 1:
+        group.resync_pending = False  # not half-loaded
+        resync_after_apply(group)
+
+
+def _as_sharded(p: FSDPParam, cur: torch.Tensor) -> DTensor:
+    """``cur``, registered where ``p``'s sharded parameter was, checked to serve as
+    ``p``'s new sharded parameter."""
+    want = tuple(p.sharded.placements)
+    if not isinstance(cur, DTensor):
+        # Not adopted by sharding it into a new object: an optimizer built in between
+        # would hold the plain tensor, which would then silently not train.
+        raise ValueError(
+            f"parameter {p.fqn} was replaced after fully_shard by a plain "
+            f"{type(cur).__name__} of shape {tuple(cur.shape)}; a sharded model needs a "
+            f"DTensor there (placements {want}), e.g. nn.Parameter(distribute_tensor(t, "
+            "old.device_mesh, old.placements)), or copy the values into the existing "
+            "parameter: with torch.no_grad(): old.copy_(distribute_tensor(t, "
+            "old.device_mesh, old.placements))"
+        )
+    local, old_local = cur._local_tensor, p.sharded._local_tensor
+    if tuple(cur.placements) != want or local.shape != old_local.shape:
+        raise ValueError(
+            f"parameter {p.fqn} was replaced (load_state_dict(assign=True) or "
+            f"assignment) by a DTensor with placements {tuple(cur.placements)} and local "
+            f"shape {tuple(local.shape)}; fsdp2 needs placements {want} and "
+            f"local shape {tuple(old_local.shape)} (or a full tensor)"
+        )
+    if p.ext is not None and type(local) is not type(old_local):
+        raise ValueError(
+            f"load_state_dict(assign=True) put a DTensor of {type(local).__qualname__} at "
+            f"{p.fqn}, which is a {type(old_local).__qualname__} parameter; assigning "
+            "would drop the tensor subclass. Load without assign=True (values are "
+            "copied into the subclass) or assign values of the same subclass"
+        )
+    if getattr(cur, "_is_param", False):
+        return cur
+    param = nn.Parameter(cur, cur.requires_grad)  # a detached DTensor flagged as a Parameter
+    assert isinstance(param, DTensor)
+    return param
+
+
+def resync_after_apply(group: ParamGroup) -> None:
+    """After ``nn.Module._apply`` (``to_empty``, ``.to(device or dtype)``) swapped the
+    sharded params' local tensors, move them back into a flat buffer (of the new
+    device/dtype) so [Note: flat storage] holds again. Parameter objects keep their
+    identity."""
+    _resync_ext(group)
+    if not group.flat_params:
+        return
+    locals_ = [p.sharded._local_tensor for p in group.flat_params]
+    flat = group.sharded_flat
+    storage = flat.untyped_storage()._cdata  # its identity (fake tensors have no data_ptr)
+    if all(
+        t.dtype == flat.dtype
+        and t.device == flat.device
+        and (t.is_meta or t.untyped_storage()._cdata == storage)
+        for t in locals_
+    ):
+        return
+    dtype, device = locals_[0].dtype, locals_[0].device
+    if any(t.dtype != dtype for t in locals_):
+        raise ValueError(f"fully_shard({group.name}): conversion left mixed dtypes")
+    group.set_dtypes(dtype)
+    group.relayout(dtype, device)
+
+
+def _resync_ext(group: ParamGroup) -> None:
+    """Extension parameters whose local tensor changed (``to_empty``, ``.to``,
+    ``assign=True``) get a fresh all-gather layout and unsharded parameter."""
+    changed = False
+    for p in group.ext_params:
+        assert p.ext is not None
+        p.spec = p.sharded._spec
+        if not p.ext.stale(p.sharded._local_tensor):
+            continue
+        p.ext.free()
+        p.ext.reset()
+        p.unsharded = None
+        changed = True
+    if changed:
+        group.refresh_registrations()
+    dtypes = {p.sharded.dtype for p in group.params}
+    if not group.flat_params and len(dtypes) == 1:
+        group.set_dtypes(dtypes.pop())
+
+
+def hooks_patched(group: ParamGroup) -> bool:
+    """Whether a flat parameter's local tensor was given all-gather hooks."""
+    return any(hasattr(p.sharded._local_tensor, "fsdp_pre_all_gather") for p in group.flat_params)
+
+
+def adopt_patched_hooks(group: ParamGroup) -> None:
+    """Plain parameters whose local tensor was given the all-gather hooks after
+    ``fully_shard`` (as instance attributes, e.g. after ``to_empty``) become extension
+    parameters: their local tensor objects (which carry the hooks) get storage of their
+    own and the flat buffer is rebuilt without them. Runs at lazy init and, while the
+    group is sharded, when a step's forward begins (``hooks_patched`` is the cheap
+    test)."""
+    patched = [
+        p for p in group.flat_params if hasattr(p.sharded._local_tensor, "fsdp_pre_all_gather")
+    ]
+    if not patched:
+        return
+    for p in patched:
+        local = p.sharded._local_tensor
+        if p.is_scalar or p.shard_dim != 0:
+            raise NotImplementedError(
+                f"parameter {p.fqn} was given all-gather hooks, but fsdp2 applies them "
+                "only to parameters sharded on dim 0 (not 0-dim ones)"
+            )
+        p.ext = extension_of(local, p.fqn)
+        with torch.no_grad():
+            local.data = local.detach().clone()  # the object keeps its hooks
+        p.unsharded = None
+        p.offset = -1
+    group.split_params()
+    group.relayout(group.sharded_flat.dtype, group.sharded_flat.device)
+    group.refresh_registrations()

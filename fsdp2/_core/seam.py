@@ -1,0 +1,147 @@
+"""What layers built on the core (the FSDP1 migration layer, ``checkpoint/__init__.py``) may read
+or hook: the one place they touch the core's objects, so that the core can change behind it.
+
+* ``managed_params(module)``: the parameters a ``fully_shard`` group manages, each with
+  its sharded DTensor parameter and the ``(module, attribute)`` pairs that register it.
+* ``on_backward_end(module, callback)``: run ``callback`` after every backward that
+  ``module``'s root drives, once its gradients have landed on the sharded parameters.
+* ``comm_device_type()``: the device type the default process group communicates on.
+* ``compute_device(module)``: the device ``module``'s groups compute on (where
+  ``to_empty`` materialises a meta-device model's shards).
+* ``unit_settings(root)``: a read-only snapshot of what each ``fully_shard`` call under
+  ``root`` runs with (reshard after forward, policies, prefetch lists), so that a layer (or
+  its tests) can check what it configured without reading the core's objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fsdp2._core.mesh import comm_device_type
+from fsdp2._core.state import FSDPState, state_of
+from fsdp2.api import MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = [
+    "ManagedParam",
+    "UnitSettings",
+    "comm_device_type",
+    "compute_device",
+    "managed_params",
+    "on_backward_end",
+    "unit_settings",
+]
+
+
+@dataclass(frozen=True)
+class ManagedParam:
+    """One managed parameter: ``sharded`` is its DTensor parameter (registered on the
+    owners whenever the group is resharded); ``owners`` the ``(module, name)`` pairs that
+    register it (more than one for tied parameters)."""
+
+    sharded: DTensor
+    owners: tuple[tuple[nn.Module, str], ...]
+
+
+def _states(module: nn.Module, recurse: bool) -> list[FSDPState]:
+    mods = module.modules() if recurse else [module]
+    out: list[FSDPState] = []
+    for m in mods:
+        st = state_of(m)
+        if st is not None and all(st is not o for o in out):
+            out.append(st)
+    return out
+
+
+def managed_params(
+    module: nn.Module, *, recurse: bool = False, reshard: bool = False
+) -> list[ManagedParam]:
+    """The parameters managed by ``module``'s ``fully_shard`` group (and, with
+    ``recurse``, by every group in ``module``'s subtree), in the order ``fully_shard``
+    found them (the same on every rank). ``[]`` for a module without one.
+    With ``reshard``, each group is resharded first, so the sharded parameters are the
+    registered ones."""
+    out: list[ManagedParam] = []
+    for st in _states(module, recurse):
+        group = st.group
+        if group is None:
+            continue
+        if reshard:
+            group.reshard()
+        out.extend(ManagedParam(p.sharded, tuple(p.owners)) for p in group.params)
+    return out
+
+
+def compute_device(module: nn.Module) -> torch.device | None:
+    """The device the first ``fully_shard`` group in ``module``'s subtree computes on
+    (``None`` without one)."""
+    for st in _states(module, recurse=True):
+        if st.group is not None:
+            return st.group.device
+    return None
+
+
+def on_backward_end(module: nn.Module, callback: Callable[[], None]) -> None:
+    """Run ``callback()`` at the end of every backward driven by the root whose tree
+    holds ``module`` (hooks of every module in that tree run, in registration order),
+    after fsdp2 has landed (and, with CPU offload, synchronized) the gradients.
+
+    Raises:
+        ValueError: ``module`` was not passed to ``fully_shard``.
+    """
+    st = state_of(module)
+    if st is None:
+        raise ValueError(f"{type(module).__name__} was not passed to fully_shard")
+    st.backward_end_callbacks.append(callback)
+
+
+@dataclass(frozen=True)
+class UnitSettings:
+    """What one ``fully_shard`` call runs with, now (a snapshot; changing it changes nothing).
+
+    Prefetch targets are named by the first module passed to their ``fully_shard`` call.
+    """
+
+    reshard_after_forward: bool | int
+    """The effective ``reshard_after_forward`` (``set_reshard_after_forward`` and the
+    root's default of ``False`` after its first forward included)."""
+    mp_policy: MixedPrecisionPolicy
+    offload_policy: OffloadPolicy
+    forward_prefetch: tuple[nn.Module, ...] | None
+    """The explicit ``set_modules_to_forward_prefetch`` list; ``None``: none was set."""
+    backward_prefetch: tuple[nn.Module, ...] | None
+    """The explicit ``set_modules_to_backward_prefetch`` list; ``None``: none was set."""
+    implicit_forward_prefetch: tuple[nn.Module, ...]
+    """What the pre-forward prefetches without an explicit list: the unit that ran right
+    after this one in the last forward (empty before the first forward, or for the last)."""
+
+
+def unit_settings(root: nn.Module) -> dict[nn.Module, UnitSettings]:
+    """The settings of every ``fully_shard`` call in ``root``'s subtree that manages
+    parameters, keyed by each module passed to it (in ``root.modules()`` order). Prefetch
+    targets outside ``root``'s subtree are left out of the tuples."""
+    states = _states(root, recurse=True)
+    first = {id(st): st.modules[0] for st in states if st.group is not None}
+
+    def named(targets: list[FSDPState]) -> tuple[nn.Module, ...]:
+        return tuple(first[id(t)] for t in targets if id(t) in first)
+
+    out: dict[nn.Module, UnitSettings] = {}
+    for m in root.modules():
+        st = state_of(m)
+        if st is None or st.group is None:
+            continue
+        g = st.group
+        out[m] = UnitSettings(
+            reshard_after_forward=g.gather.post_forward,
+            mp_policy=st.mp_policy,
+            offload_policy=g.offload_policy,
+            forward_prefetch=None if st.fwd_prefetch is None else named(st.fwd_prefetch),
+            backward_prefetch=None if st.bwd_prefetch is None else named(st.bwd_prefetch),
+            implicit_forward_prefetch=named(st.fwd_next),
+        )
+    return out

@@ -1,0 +1,311 @@
+"""The state layer: per-``fully_shard`` hooks (``FSDPState``). What one root shares with
+every state under it (``StepContext``: the step's phase and order, all-gathers and
+reductions, the final callback) is in step.py; see [Note: one step] there. Groups below
+do storage and collectives when told; scheduling and step bookkeeping live here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from fsdp2._core.group import ParamGroup
+from fsdp2._core.labels import hook
+from fsdp2._core.step import LEGAL_MOVES, StepContext, StepPhase, TrainingState
+from fsdp2._core.tree_checks import check_materialized, validate_tree
+from fsdp2.api import MixedPrecisionPolicy
+
+# torch.compile runs the engine's hooks eagerly (a graph break around each): they
+# move storages and issue collectives, which must not be traced. See docs/compile.md.
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _eager(fn: _F) -> _F:
+    return cast(_F, torch.compiler.disable(fn))
+
+
+STATE_ATTR = "_fsdp2_state"
+
+
+def state_of(module: nn.Module) -> FSDPState | None:
+    return module.__dict__.get(STATE_ATTR)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs; its backward runs after the module's."""
+
+    @staticmethod
+    def forward(ctx, state: FSDPState, *inputs: torch.Tensor):  # type: ignore[no-untyped-def]
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[no-untyped-def]
+        ctx.state._post_backward_node_done()
+        return (None, *grads)
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, tree)
+
+
+class FSDPState:
+    """The hooks of one ``fully_shard`` call (one or several modules, one group) and
+    its place in the step."""
+
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        group: ParamGroup | None,
+        mp_policy: MixedPrecisionPolicy,
+        device: torch.device,
+        auto_reshard: bool,
+    ) -> None:
+        self.modules = modules
+        self.group = group
+        self.mp_policy = mp_policy
+        self.device = device
+        self.auto_reshard = auto_reshard  # reshard_after_forward=None: the root keeps
+        self.ctx: StepContext | None = None
+        self.is_root = False
+        self.post_optim_event: torch.Event | None = None
+        self.backward_end_callbacks: list[Callable[[], None]] = []  # see _seam.on_backward_end
+        # prefetch: implicit (from last step's order) and explicit (setters) lists
+        self.fwd_next: list[FSDPState] = []
+        self.bwd_next: list[FSDPState] = []
+        self.fwd_prefetch: list[FSDPState] | None = None
+        self.bwd_prefetch: list[FSDPState] | None = None
+        # this step
+        self.training_state = TrainingState.IDLE
+        self.post_backward_pending = 0  # registered post-backward nodes still to fire
+        self.untracked_calls = 0  # forward calls whose inputs needed no grad (no node)
+        self._fwd_left: set[int] = set()  # fully_shard([a, b]): modules yet to run
+        for m in modules:
+            m.__dict__[STATE_ATTR] = self
+            m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            m.register_forward_hook(self._post_forward)
+
+    def _to(self, new: TrainingState, event: str) -> None:
+        old = self.training_state
+        if new not in LEGAL_MOVES[old]:
+            name = self.group.name if self.group is not None else type(self.modules[0]).__name__
+            raise RuntimeError(
+                f"fsdp2: {event} of fully_shard({name}) while it is in {old.value}; this "
+                "order of hooks is not supported (please report it, with how the model "
+                "is called)"
+            )
+        self.training_state = new
+
+    def end_step(self) -> None:
+        self.training_state = TrainingState.IDLE
+        self.post_backward_pending = 0
+        self.untracked_calls = 0
+
+    # ---- lazy init ---------------------------------------------------------------
+
+    def _lazy_init(self) -> None:
+        """Become the root of every state below: share one context, validate."""
+        states: list[FSDPState] = []
+        seen: set[int] = set()
+        for top in self.modules:
+            for m in top.modules():
+                st = state_of(m)
+                if st is not None and id(st) not in seen:
+                    seen.add(id(st))
+                    states.append(st)
+        validate_tree(states)
+        for st in states:  # parameters replaced since fully_shard (e.g. after to_empty)
+            if st.group is not None:
+                st.group.adopt_registered()
+        check_materialized(states, self.modules)
+        ctx = StepContext(states)
+        for st in states:
+            st.ctx = ctx
+            st.is_root = st is self
+        for top in self.modules:  # module paths for messages (fsdp2 debug mode)
+            for path, m in top.named_modules():
+                st = state_of(m)
+                if st is not None and st.group is not None and st.group.path == st.group.name:
+                    st.group.path = path or f"the root ({st.group.name})"
+        if self.auto_reshard and self.group is not None:
+            # Its backward comes first: keep the root's params through it.
+            self.group.update(gather={"post_forward": False})
+
+    # ---- forward -------------------------------------------------------------------
+
+    @_eager
+    @hook("pre_forward")
+    def _pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        ctx = self.ctx
+        if ctx is None:
+            self._lazy_init()
+            ctx = self.ctx
+            assert ctx is not None
+        recompute = ctx.phase is StepPhase.BACKWARD
+        if recompute:
+            ctx.check_recompute(type(module).__name__)
+        elif self.is_root:
+            ctx.begin_forward()
+            if self.post_optim_event is not None:
+                if self.device.type != "cpu":  # CPU work is in program order: nothing to wait
+                    # The device module's stream (torch.cuda.Stream) takes both a
+                    # torch.cuda.Event and a torch.Event; torch.Stream takes only the latter.
+                    device_module: Any = torch.get_device_module(self.device)
+                    stream = device_module.current_stream(self.device)
+                    stream.wait_event(self.post_optim_event)
+                self.post_optim_event = None
+            if self.device.type != "cpu":
+                args, kwargs = tree_map(self._to_device, (args, kwargs))
+        g = self.group
+        if g is not None:
+            if recompute:  # activation-checkpoint recompute
+                g.wait_for_unshard()
+            else:
+                self._to(TrainingState.FORWARD, "forward")
+                ctx.fwd_order.append(self)
+                ctx.unshard(self, backward=False)
+                for nxt in self.fwd_prefetch if self.fwd_prefetch is not None else self.fwd_next:
+                    if nxt.group is not None:
+                        ctx.unshard(nxt, backward=False)
+                g.wait_for_unshard()
+                if torch.is_grad_enabled():
+                    args, kwargs = self._register_post_backward(args, kwargs)
+        mp = self.mp_policy
+        if mp.param_dtype is not None and mp.cast_forward_inputs:
+            args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
+        return args, kwargs
+
+    def _to_device(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.device != self.device:
+            return x.to(self.device, non_blocking=True)
+        return x
+
+    def _register_post_backward(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if args and not kwargs and all(type(a) is torch.Tensor and a.requires_grad for a in args):
+            self.post_backward_pending += 1  # the common case: (x,) needing grad
+            return _PostBackward.apply(self, *args), kwargs
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not idx:
+            # This call's backward (if any) cannot be seen finishing: leave the
+            # group's reduction to the final callback (see _post_backward_node_done).
+            self.untracked_calls += 1
+            return args, kwargs
+        outs = _PostBackward.apply(self, *(flat[i] for i in idx))
+        for i, t in zip(idx, outs, strict=True):
+            flat[i] = t
+        self.post_backward_pending += 1
+        return tree_unflatten(flat, spec)  # type: ignore[no-any-return]
+
+    @_eager
+    @hook("post_forward")
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        ctx = self.ctx
+        assert ctx is not None
+        if ctx.phase is StepPhase.BACKWARD:  # recompute: same output as the forward
+            return self._cast_output(output)
+        g = self.group
+        training = torch.is_grad_enabled()
+        if g is not None:
+            if len(self.modules) > 1:
+                left = self._fwd_left or {id(m) for m in self.modules}
+                left.discard(id(module))
+                self._fwd_left = left
+                done = not left
+            else:
+                done = True
+            if done:
+                self._to(TrainingState.IDLE, "end of forward")
+                if training:
+                    g.after_forward()
+                else:
+                    g.reshard()
+            if training:
+                ctx.post_fwd_order.append(self)
+        if training:
+            self._register_pre_backward(output)
+        if self.is_root:
+            ctx.end_forward()
+            if not training:
+                for st in ctx.with_group:
+                    assert st.group is not None
+                    st.group.reshard()
+        return self._cast_output(output)
+
+    def _cast_output(self, output: Any) -> Any:
+        if self.mp_policy.output_dtype is not None:
+            return _cast_floats(output, self.mp_policy.output_dtype)
+        return output
+
+    # ---- backward ------------------------------------------------------------------
+
+    def _register_pre_backward(self, output: Any) -> None:
+        if isinstance(output, torch.Tensor):
+            if output.requires_grad:
+                output.register_hook(self._pre_backward)
+            return
+        tensors = [
+            t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if len(tensors) == 1:
+            tensors[0].register_hook(self._pre_backward)
+        elif tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+
+    @hook("pre_backward")
+    def _pre_backward(self, *unused: Any) -> None:
+        ctx = self.ctx
+        assert ctx is not None
+        if ctx.phase is not StepPhase.BACKWARD:
+            ctx.begin_backward()
+        elif not self.is_root:
+            ctx.cancel_deferred_prefetch()  # another group's backward began: gather as usual
+        g = self.group
+        if g is None or not g.gather.unshard_in_backward:
+            return
+        self._to(TrainingState.PRE_BACKWARD, "backward")
+        # Even after this group's post-backward (e.g. an earlier call whose
+        # inputs needed no grad registered no post-backward node): gather again;
+        # the final callback reduces what arrives afterwards.
+        ctx.unshard(self, backward=True)
+        if self.bwd_prefetch is not None:
+            ctx.prefetch_for_backward(self.bwd_prefetch)
+        elif self.is_root:
+            ctx.defer_prefetch(self.bwd_next, g.grad_params)
+        else:
+            ctx.prefetch_for_backward(self.bwd_next)
+        g.wait_for_unshard()
+
+    def _post_backward_node_done(self) -> None:
+        self.post_backward_pending -= 1
+        # A call whose inputs needed no grad registered no node, yet its
+        # backward may still be to come (fully_shard([a, b]) with ``a`` on the
+        # data, or a module reused on the data): reduce once, at the end.
+        if (
+            self.post_backward_pending <= 0
+            and self.training_state is not TrainingState.POST_BACKWARD
+            and not self.untracked_calls
+        ):
+            self.post_backward()
+
+    @hook("post_backward")
+    def post_backward(self) -> None:
+        """Hand the group's gradients to reduction (queued on the step) and reshard."""
+        assert self.group is not None and self.ctx is not None
+        self._to(TrainingState.POST_BACKWARD, "post-backward")
+        part = self.group.post_backward()
+        if part is not None:
+            self.ctx.add_part(part)

@@ -1,0 +1,93 @@
+"""State-dict hooks: sharded models load full (unsharded) tensors too.
+
+``model.state_dict()`` returns the registered parameters, the sharded DTensors,
+under their original names (detached). A post-hook only re-wraps each value so
+that its wrapper has storage offset 0 (see ``_param._wrap``: torch 2.13 cannot
+pickle a DTensor whose local tensor is a view at an offset, which ours are;
+``detach()`` builds a new wrapper). Loading, however, copies each
+value into its DTensor parameter, and a plain full tensor (a checkpoint of the
+unsharded model, e.g. a Hugging Face state dict loaded on CPU) cannot be
+copied into a DTensor. A load pre-hook on each module that owns managed
+parameters replaces such a value by this rank's shard of it: every rank holds
+the full tensor, so no communication is needed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from fsdp2._core.group import ParamGroup
+from fsdp2._core.param import _wrap
+
+
+def register_state_dict_hooks(group: ParamGroup) -> None:
+    """Let every owner module of ``group``'s parameters accept full tensors and return
+    picklable DTensors."""
+    by_module: dict[int, tuple[nn.Module, list[tuple[str, Any]]]] = {}
+    for p in group.params:
+        for m, name in p.owners:
+            by_module.setdefault(id(m), (m, []))[1].append((name, p))
+    for m, entries in by_module.values():
+        m.register_load_state_dict_pre_hook(_ShardFullTensors(group, entries))
+        m.register_load_state_dict_post_hook(_AdoptAssigned(group))
+        m.register_state_dict_post_hook(_Picklable([name for name, _ in entries]))
+
+
+class _Picklable:
+    """State-dict post-hook: DTensor values get a zero-offset wrapper (same local tensor)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+
+    def __call__(
+        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
+    ) -> None:
+        for name in self.names:
+            value = state_dict.get(prefix + name)
+            if isinstance(value, DTensor) and value.storage_offset() != 0:
+                state_dict[prefix + name] = _wrap(
+                    value._local_tensor, value._spec, value.requires_grad
+                )
+
+
+class _AdoptAssigned:
+    """Load post-hook: ``assign=True`` swapped parameter objects; adopt them."""
+
+    def __init__(self, group: ParamGroup) -> None:
+        self.group = group
+
+    def __call__(self, module: nn.Module, incompatible_keys: Any) -> None:
+        self.group.adopt_registered()
+
+
+class _ShardFullTensors:
+    """Load pre-hook: full plain tensors of the right shape become local shards."""
+
+    def __init__(self, group: ParamGroup, entries: list[tuple[str, Any]]) -> None:
+        self.group = group
+        self.entries = entries
+
+    def __call__(
+        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
+    ) -> None:
+        for name, p in self.entries:
+            key = prefix + name
+            value = state_dict.get(key)
+            if (
+                not isinstance(value, torch.Tensor)
+                or isinstance(value, DTensor)
+                or value.shape != p.global_shape
+            ):
+                continue  # missing keys and shape errors are load_state_dict's to report
+            sharded = p.sharded
+            # No communication: every rank holds the full value and keeps its piece.
+            state_dict[key] = distribute_tensor(
+                value.detach().to(sharded.device),
+                sharded.device_mesh,
+                sharded.placements,
+                src_data_rank=None,
+            )

@@ -1,0 +1,357 @@
+"""What one root shares with every ``fully_shard`` state under it (``StepContext``): the
+step's phase (``StepPhase``) and order, each state's place in it (``TrainingState``), the
+all-gathers it starts (alone or bucketed), the reductions in flight and the final callback.
+
+# [Note: one step]
+# pre-forward:   unshard this group (issue all-gather), prefetch the group that
+#                ran next last step (issue only), then wait for ours; register
+#                a post-backward node on the inputs that require grad.
+# post-forward:  reshard per reshard_after_forward; hook the outputs so the
+#                group unshards again when their gradient arrives.
+# pre-backward:  unshard (if resharded), prefetch the group that comes next in
+#                reverse post-forward order, wait.
+# post-backward: fires when every post-backward node registered this step has
+#                run, i.e. all of the group's backward is done: the group hands
+#                over its gradients (a ``Part``) and reshards; here they are
+#                reduce-scattered, alone or bucketed, and the reduction queued
+#                (older ones are pushed a stage on, so about one is in flight).
+# final callback (queued on the autograd engine by the first pre-backward):
+#                reduce what no post-backward reduced (unused inputs, params
+#                whose grads came late), finish every reduction, reshard, reset.
+
+# [Note: buckets]
+# With ``set_bucket_bytes(n)`` (off by default), a group about to be all-gathered takes
+# the groups expected to run right after it along (the order ``fwd_next`` / ``bwd_next``
+# recorded last time, skipping groups already unsharded or coming) into ONE all-gather of
+# their concatenated shards, while the unsharded bytes stay <= n and their settings
+# agree (``ParamGroup.gather_key``); each group copies its columns out when it runs.
+# Prefetching a group starts the next bucket. Gradients of groups whose backward
+# finished are held (``StepContext.parts``) and reduced in ONE reduce-scatter when the
+# next would pass n input bytes, a group of other settings comes (``bucket_key``), or
+# backward ends. Memory: up to two gathered buckets (the one in use and the prefetched
+# one) and one bucket of held gradients, each <= n bytes (a group larger than n alone).
+
+# [Note: root prefetch]
+# The root's backward comes first and, in a language model, holds the loss and the
+# output layer: logits-sized tensors, the step's memory peak. Prefetching the next
+# group's all-gather at the root's pre-backward would add that group's unsharded
+# parameters to the peak. So the root's implicit backward prefetch waits for the first
+# of the root's trainable parameters to get its gradient (a tensor hook on each, removed
+# when one fires): for a Llama that is the output layer's weight, right after its
+# backward. Any other group's pre-backward first (a root whose parameters get gradients
+# last, e.g. an embedding alone) cancels it and gathers as usual; a root with no
+# trainable parameter, or an explicit ``set_modules_to_backward_prefetch`` list, prefetches
+# at once. On the benchmark Llama (docs/benchmarks.md) this takes one block's gathered
+# parameters (12.25 MiB, and gloo's buffer of the same size for the all-gather in
+# flight) off the peak; torch's FSDP2 prefetches at the root's pre-backward.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.autograd import Variable
+
+from fsdp2._core import collectives as C
+from fsdp2._core import debug as D
+from fsdp2._core import reduce as R
+from fsdp2._core.group import Sharded
+from fsdp2._core.labels import label
+from fsdp2._core.reduce import Reduction
+
+if TYPE_CHECKING:
+    from fsdp2._core.param import FSDPParam
+    from fsdp2._core.state import FSDPState
+
+
+class StepPhase(enum.Enum):
+    """Where a root's step is."""
+
+    IDLE = "idle"  # between steps, or after a forward whose backward has not begun
+    FORWARD = "forward"  # inside the root's forward
+    BACKWARD = "backward"  # from the first pre-backward hook to the final callback
+
+
+class TrainingState(enum.Enum):
+    """Where one ``fully_shard`` state is in the step."""
+
+    IDLE = "idle"
+    FORWARD = "forward"  # between its pre- and post-forward
+    PRE_BACKWARD = "pre-backward"  # its gradients are being computed (gathered for it)
+    POST_BACKWARD = "post-backward"  # its gradients were handed to reduction this step
+
+
+_T = TrainingState
+LEGAL_MOVES: dict[TrainingState, frozenset[TrainingState]] = {
+    _T.IDLE: frozenset({_T.FORWARD, _T.PRE_BACKWARD, _T.POST_BACKWARD}),
+    # a call whose backward starts before the root's forward ends: fully_shard([a, b])
+    # with only ``a`` run, or outputs used inside the forward
+    _T.FORWARD: frozenset({_T.IDLE, _T.FORWARD, _T.PRE_BACKWARD, _T.POST_BACKWARD}),
+    # a module used several times: gathered again after an earlier call's reduction
+    _T.PRE_BACKWARD: frozenset({_T.PRE_BACKWARD, _T.POST_BACKWARD, _T.IDLE}),
+    _T.POST_BACKWARD: frozenset({_T.PRE_BACKWARD, _T.POST_BACKWARD, _T.IDLE}),
+}
+
+
+class StepContext:
+    """What all states under one root share."""
+
+    def __init__(self, states: list[FSDPState]) -> None:
+        self.states = states
+        self.with_group = [s for s in states if s.group is not None]
+        self.phase = StepPhase.IDLE
+        self.fwd_order: list[FSDPState] = []
+        self.post_fwd_order: list[FSDPState] = []
+        self.reductions: deque[Reduction] = deque()
+        self.pending_d2h = False
+        # gradients waiting for a bucketed reduce-scatter: their groups' common key and
+        # budget, their packed bytes so far
+        self.parts: list[R.Part] = []
+        self.parts_key: tuple[Any, ...] | None = None
+        self.parts_budget = 0
+        self.parts_bytes = 0
+        self.deferred: list[Any] = []  # hook handles of the root's deferred prefetch
+
+    # ---- all-gathers -----------------------------------------------------------
+
+    def unshard(self, st: FSDPState, backward: bool) -> None:
+        """Issue ``st``'s group's all-gather if it needs one: alone, or with a bucket of
+        the groups expected to run after it (see [Note: buckets])."""
+        g = st.group
+        assert g is not None
+        if not g.needs_gather():
+            return
+        key = g.gather_key()
+        budget = g.gather.bucket_bytes
+        if key is None or budget is None:
+            g.unshard()
+            return
+        bucket, total = [g], g.gather_bytes()
+        seen, cur = {id(st)}, st
+        while True:
+            nxt = cur.bwd_next if backward else cur.fwd_next
+            if not nxt or id(nxt[0]) in seen:
+                break
+            cur = nxt[0]
+            seen.add(id(cur))
+            h = cur.group
+            if h is None or (backward and not gathers_in_backward(cur)):
+                break
+            if not h.needs_gather():
+                continue  # already unsharded or coming
+            if h.gather_key() != key or total + h.gather_bytes() > budget:
+                break
+            bucket.append(h)
+            total += h.gather_bytes()
+        if len(bucket) == 1:
+            g.unshard()
+            return
+        paths = lambda: "bucket " + ", ".join(h.path for h in bucket)  # noqa: E731
+        with label("copy_in", paths):
+            inputs = [h.gather_input() for h in bucket]
+        if D.is_debug():
+            what = "the bucket of " + ", ".join(h.path for h in bucket)
+            numel = sum(x.numel() for x in inputs) * g.world
+            D.check("all-gather", what, numel, inputs[0].dtype, key[0])
+        with label("all_gather issue", paths):
+            pendings = C.all_gather_bucket(inputs, key[0], g.world)
+        for h, pending in zip(bucket, pendings, strict=True):
+            h.gather_issued(pending)
+
+    def prefetch_for_backward(self, states: list[FSDPState]) -> None:
+        for nxt in states:
+            if gathers_in_backward(nxt):
+                self.unshard(nxt, backward=True)
+
+    def defer_prefetch(self, states: list[FSDPState], params: list[FSDPParam]) -> None:
+        """The root's implicit backward prefetch, issued when the first of the root's
+        parameters gets its gradient instead of at once; see [Note: root prefetch]."""
+        ts = [p.unsharded for p in params if p.unsharded is not None]
+        ts = [t for t in ts if t.requires_grad]
+        if not states or not ts:
+            self.prefetch_for_backward(states)
+            return
+
+        def fire(_grad: torch.Tensor) -> None:
+            if self.deferred:
+                self.cancel_deferred_prefetch()
+                self.prefetch_for_backward(states)
+
+        self.cancel_deferred_prefetch()
+        self.deferred = [t.register_hook(fire) for t in ts]
+
+    def cancel_deferred_prefetch(self) -> None:
+        for handle in self.deferred:
+            handle.remove()
+        self.deferred = []
+
+    # ---- reductions ------------------------------------------------------------
+
+    def add_reduction(self, reduction: Reduction) -> None:
+        """Queue a reduction and push every older one but the newest
+        ``max_inflight`` a stage on (wait its reduce-scatter, start its HSDP
+        all-reduce, or land its gradients): gradients land as early as they
+        can while few groups' gradient buffers are alive."""
+        q = self.reductions
+        q.append(reduction)
+        for old in list(q)[: -reduction.group.reduce.max_inflight]:
+            if self._advance(old):
+                q.remove(old)
+
+    def _advance(self, reduction: Reduction) -> bool:
+        done = reduction.advance()
+        if done and reduction.host_copy:
+            self.pending_d2h = True  # synchronized by the final callback
+        return done
+
+    def add_part(self, part: R.Part) -> None:
+        """Reduce a group's gradients: at once, or in a bucket with the next groups'
+        (flushed when full, when a group of other settings comes, and at the end of
+        backward)."""
+        key = R.bucket_key(part.group)  # not None: the group has a budget
+        if self.parts and (
+            key != self.parts_key or self.parts_bytes + part.nbytes > self.parts_budget
+        ):
+            self.flush_parts()
+        if key is None:
+            self.add_reduction(R.reduce([part]))
+            return
+        if not self.parts:
+            self.parts_key, self.parts_budget = key, part.group.reduce.bucket_bytes or 0
+        self.parts.append(part)
+        self.parts_bytes += part.nbytes
+        if self.parts_bytes >= self.parts_budget:
+            self.flush_parts()
+
+    def flush_parts(self) -> None:
+        """Issue the reduce-scatter of the bucket of gradients collected so far."""
+        if self.parts:
+            parts, self.parts, self.parts_bytes = self.parts, [], 0
+            self.add_reduction(R.reduce(parts))
+
+    def drain_reductions(self) -> None:
+        q = self.reductions
+        while q:
+            if self._advance(q[0]):
+                q.popleft()
+
+    # ---- step boundaries -------------------------------------------------------
+
+    def begin_forward(self) -> None:
+        """The root's forward starts. From FORWARD too: a forward that raised (or a
+        root forward nested in a registered method) just starts over."""
+        self.phase = StepPhase.FORWARD
+        D.note_phase("forward", new_step=True)
+        self.fwd_order = []
+        self.post_fwd_order = []
+        for st in self.with_group:
+            g = st.group
+            assert g is not None
+            if g.sharded_state is Sharded.SMALL:  # its backward never came: may be stale
+                g.reshard()
+            if g.sharded_state is Sharded.SHARDED:
+                g.adopt_patched_hooks()  # all-gather hooks given to local tensors since
+
+    def end_forward(self) -> None:
+        """The root's forward ends: link each state to the one that ran after it (next
+        step's implicit forward prefetch) and cancel all-gathers prefetched for groups
+        that did not run."""
+        self.phase = StepPhase.IDLE
+        order = self.fwd_order
+        seen: set[int] = set()
+        for i, st in enumerate(order):
+            if id(st) in seen:
+                continue
+            seen.add(id(st))
+            st.fwd_next = [order[i + 1]] if i + 1 < len(order) else []
+        for st in self.with_group:
+            assert st.group is not None
+            if st.group.has_pending_unshard():
+                st.group.reshard()
+
+    def begin_backward(self) -> None:
+        if self.phase is StepPhase.FORWARD:
+            raise RuntimeError(
+                "fsdp2: a backward reached sharded modules while the root's forward was "
+                "still running (e.g. torch.autograd.grad inside forward); fsdp2 reduces "
+                "gradients once per backward of a finished forward and cannot do that"
+            )
+        self.phase = StepPhase.BACKWARD
+        D.note_phase("backward")
+        order = self.post_fwd_order
+        for i, st in enumerate(order):  # later occurrences win: backward runs them first
+            st.bwd_next = [order[i - 1]] if i > 0 else []
+        for st in self.with_group:
+            assert st.group is not None
+            st.group.release_unread()
+        Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def check_recompute(self, name: str) -> None:
+        """A forward during the BACKWARD phase must be an activation-checkpoint
+        recompute, inside the backward; otherwise the last backward never finished."""
+        if torch._C._current_graph_task_id() == -1:
+            raise RuntimeError(
+                f"fsdp2: forward of {name} started while the previous backward never "
+                "finished (it raised, so its gradients were not reduced). Call "
+                "reset_iter_state() on the root module after catching the exception, "
+                "then run the step again"
+            )
+
+    def reset(self) -> None:
+        """Recover from an exception mid-step (``reset_iter_state``)."""
+        self.cancel_deferred_prefetch()
+        for r in self.reductions:
+            r.pending.wait()
+        self.reductions.clear()
+        self.parts, self.parts_bytes = [], 0
+        for st in self.with_group:
+            assert st.group is not None
+            st.group.reshard()
+            st.group.discard_grads()
+            st.end_step()
+        self.phase = StepPhase.IDLE
+        self.fwd_order = []
+        self.post_fwd_order = []
+
+    def finish_backward(self) -> None:
+        """The root's final callback: see [Note: one step]."""
+        with label("hook", "final_callback"):
+            self._finish_backward()
+
+    def _finish_backward(self) -> None:
+        D.note_phase("final callback of the backward")
+        self.cancel_deferred_prefetch()
+        for st in self.with_group:
+            assert st.group is not None
+            if st.group.has_unreduced_grads():  # reduce, or (no sync) accumulate
+                st.post_backward()
+        self.flush_parts()
+        self.drain_reductions()
+        if self.pending_d2h:  # offloaded grads copied asynchronously into pinned memory
+            torch.accelerator.synchronize()
+            self.pending_d2h = False
+        for st in self.with_group:
+            assert st.group is not None
+            if st.group.gather.reshard_after_backward:
+                st.group.reshard()
+            st.end_step()
+        self.phase = StepPhase.IDLE
+        D.note_phase("time between steps")
+        for st in self.states:
+            for callback in st.backward_end_callbacks:
+                callback()
+
+
+def gathers_in_backward(st: FSDPState) -> bool:
+    """Whether ``st``'s group is still to be gathered for this backward. A group with no
+    trainable params whose inputs needed no grad has no backward at all."""
+    g = st.group
+    return (
+        g is not None
+        and st.training_state is not TrainingState.POST_BACKWARD
+        and g.gather.unshard_in_backward
+        and bool(g.grad_params or st.post_backward_pending)
+    )

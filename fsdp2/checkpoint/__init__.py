@@ -1,0 +1,383 @@
+"""Full checkpoints (safetensors, Hugging Face directories, ``torch.save`` files) straight
+into and out of a sharded model, with bounded memory on every rank.
+
+* :func:`load_full_checkpoint`: each rank reads only its own shards' bytes from the
+  memory-mapped files and copies them into its local shards. No collective; no full
+  tensor on any rank, except transiently one tensor at a time where a layout is not a box
+  of the full tensor (``_StridedShard`` from FSDP + tensor parallel on one dim).
+* :func:`save_full_checkpoint`: writes a Hugging Face-compatible sharded safetensors
+  checkpoint (files + ``model.safetensors.index.json``): each tensor is gathered to the rank
+  writing its file (see [Note: gathering to the writer] in _save.py) and streamed to
+  disk from a writer thread, files spread over the ranks. A crash leaves no checkpoint
+  that looks complete.
+
+# [Note: full checkpoints]
+# Names: a model's tensors are its parameters and persistent buffers under their
+# ``state_dict`` names, with wrapper components (``_checkpoint_wrapped_module``,
+# ``_orig_mod``) dropped so that an activation-checkpointed or compiled model uses the
+# plain model's names. A tied tensor (``lm_head.weight is embed_tokens.weight``) is one
+# tensor: saved once under its first name (as Hugging Face does), loaded from whichever
+# of its names the checkpoint has.
+# Save order: every rank walks the same tensors in the same order, so the all-gathers
+# of ``DTensor.full_tensor()`` match across ranks; a writer's own failure (disk full) is
+# recorded, not raised, until every rank agrees at the end (``all_gather_object``): no
+# rank leaves the gathers early, so a failure is an error on every rank, never a hang.
+# Publication: writers write ``<file>.partial``; only when all have written do they rename
+# their files, then rank 0 writes the index (itself via a temporary name). Rank 0 removes
+# a previous index first, so an interrupted save over an old checkpoint is not complete.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from fsdp2._core.seam import compute_device, managed_params
+from fsdp2.checkpoint._files import (
+    Source,
+    open_source,
+    st_dtype,
+)
+from fsdp2.checkpoint._save import (
+    Spec,
+    check_same_plan,
+    parse_size,
+    plain,
+    plan_files,
+    write_checkpoint,
+)
+
+__all__ = ["KeyMap", "LoadResult", "load_full_checkpoint", "save_full_checkpoint"]
+
+KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
+"""Renames tensors: a dict (names it lacks stay as they are) or a function of the name.
+``None`` drops the tensor (e.g. an old checkpoint's ``rotary_emb.inv_freq``)."""
+
+_WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
+
+
+class LoadResult(NamedTuple):
+    """What :func:`load_full_checkpoint` did not match (empty lists under ``strict``)."""
+
+    missing_keys: list[str]
+    """Model tensors the checkpoint has no value for (left unchanged)."""
+    unexpected_keys: list[str]
+    """Checkpoint tensors (under their names in the checkpoint, before ``key_map``) the
+    model has no tensor for (ignored)."""
+
+
+class _Named(NamedTuple):
+    tensors: dict[str, torch.Tensor]  # first name -> parameter or persistent buffer
+    aliases: dict[str, str]  # another name of a tied tensor -> its first name
+    transient: dict[str, torch.Tensor]  # non-persistent buffers (in no checkpoint)
+
+
+def _clean(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+def _named_tensors(model: nn.Module) -> _Named:
+    """See [Note: full checkpoints]: names in ``state_dict`` order."""
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    transient: dict[str, torch.Tensor] = {}
+    first: dict[int, str] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        own = [(n, t, True) for n, t in module._parameters.items()]
+        own += [
+            (n, t, n not in module._non_persistent_buffers_set) for n, t in module._buffers.items()
+        ]
+        for local_name, tensor, persistent in own:
+            if tensor is None:
+                continue
+            name = _clean(f"{prefix}.{local_name}" if prefix else local_name)
+            if not persistent:
+                transient[name] = tensor
+            elif id(tensor) in first:
+                if first[id(tensor)] != name:
+                    aliases[name] = first[id(tensor)]
+            else:
+                first[id(tensor)] = name
+                tensors[name] = tensor
+    return _Named(tensors, aliases, transient)
+
+
+def _rename(key_map: KeyMap | None, name: str) -> str | None:
+    if key_map is None:
+        return name
+    if callable(key_map):
+        return key_map(name)
+    return key_map.get(name, name)
+
+
+def _renamed(names: Iterable[str], key_map: KeyMap | None, who: str) -> dict[str, str]:
+    """``{new name: name}`` for every name ``key_map`` keeps, in order; two names mapped to
+    one are a ``ValueError``."""
+    out: dict[str, str] = {}
+    for name in names:
+        new = _rename(key_map, name)
+        if new is None:
+            continue
+        if new in out:
+            raise ValueError(
+                f"{who}: {out[new]!r} and {name!r} both map to {new!r}: fix the key_map"
+            )
+        out[new] = name
+    return out
+
+
+def _reshard(model: nn.Module) -> None:
+    """Register the sharded parameters everywhere (a manual ``unshard`` or a kept
+    ``reshard_after_forward=False`` copy would otherwise be what we read or write)."""
+    managed_params(model, recurse=True, reshard=True)
+
+
+def _compute_device(model: nn.Module) -> torch.device:
+    device = compute_device(model)
+    if device is not None:
+        return device
+    for t in model.parameters():
+        if isinstance(t, DTensor):
+            mesh = t.device_mesh
+            if mesh.device_type == "cpu":
+                return torch.device("cpu")
+            index = torch.accelerator.current_device_index()
+            return torch.device(mesh.device_type, index)
+    return torch.device("cpu")
+
+
+def load_full_checkpoint(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    key_map: KeyMap | None = None,
+    strict: bool = True,
+) -> LoadResult:
+    """Load a full (unsharded) checkpoint into ``model``, each rank reading only its shards.
+
+    ``model`` is sharded with ``fully_shard`` (or not sharded at all), materialised or still
+    on the meta device: then it is materialised here (``to_empty`` on the engine's device:
+    one shard per rank) before loading. Every parameter and persistent buffer is loaded,
+    cast to its own dtype. No collective runs, so ranks may load at different times.
+
+    Args:
+        model: the model to load into; its parameter objects stay the same.
+        path: a ``.safetensors`` file, a ``torch.save`` file of a state dict (read with
+            ``torch.load(mmap=True)``), or a directory: Hugging Face's
+            ``model.safetensors.index.json`` and its files, ``model.safetensors``,
+            ``pytorch_model.bin.index.json`` (+ files) or ``pytorch_model.bin``.
+        key_map: renames checkpoint names to the model's names (see :data:`KeyMap`).
+        strict: raise if the model and the checkpoint do not have the same tensors.
+
+    Returns:
+        :class:`LoadResult` with the missing and unexpected names (empty under ``strict``).
+
+    Raises:
+        FileNotFoundError: ``path``, or a file its index lists, does not exist.
+        ValueError: a file cannot be read (corrupt header, not a state dict), two
+            checkpoint names map to one model name, or the model is on the meta device and
+            the checkpoint does not initialise all of it (non-persistent buffers, such as
+            rotary tables, are in no checkpoint: build them on a real device).
+        RuntimeError: (``strict``) missing or unexpected names; (always) a shape mismatch,
+            naming the tensor and both shapes. Nothing is loaded when any error is raised.
+    """
+    _reshard(model)
+    named = _named_tensors(model)
+    with open_source(path) as source:
+        plan, unexpected = _match(named, source, key_map)
+        missing = [name for name in named.tensors if name not in plan]
+        errors = []
+        if strict and missing:
+            errors.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing))
+        if strict and unexpected:
+            keys = ", ".join(f'"{k}"' for k in unexpected)
+            errors.append(f"Unexpected key(s) in state_dict: {keys}")
+        for name, ckpt_name in plan.items():
+            have, want = source.entries[ckpt_name].shape, named.tensors[name].shape
+            if have != want:
+                errors.append(
+                    f"size mismatch for {name}: copying a param with shape {have} from "
+                    f"checkpoint {ckpt_name!r}, the shape in current model is {want}"
+                )
+        if errors:
+            raise RuntimeError(
+                f"Error(s) in loading {os.fspath(path)} into {type(model).__name__}:\n\t"
+                + "\n\t".join(errors)
+            )
+        everything = {**named.tensors, **named.transient}
+        uninitialised = [n for n, t in everything.items() if t.is_meta and n not in plan]
+        if uninitialised:
+            raise ValueError(
+                f"{type(model).__name__} is on the meta device and {os.fspath(path)} has no "
+                f"values for {', '.join(uninitialised)}: non-persistent buffers (e.g. rotary "
+                "tables) and tensors missing from the checkpoint would be uninitialised "
+                "memory; build or initialise them on a real device before loading"
+            )
+        if any(t.is_meta for t in everything.values()):
+            named = _materialise(model, everything, plan)
+        with torch.no_grad():
+            for name, ckpt_name in plan.items():
+                _load_one(source, ckpt_name, named.tensors[name])
+    return LoadResult(missing, unexpected)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _materialise(
+    model: nn.Module, everything: dict[str, torch.Tensor], plan: dict[str, str]
+) -> _Named:
+    """``to_empty`` on the engine's device (one shard per rank), keeping the values of the
+    tensors that were real already and are not about to be loaded (e.g. rotary tables
+    the user built, while the rest of the model is still on meta)."""
+    kept = {
+        n: _local(t).detach().clone()
+        for n, t in everything.items()
+        if not t.is_meta and n not in plan
+    }
+    model.to_empty(device=_compute_device(model), recurse=True)
+    named = _named_tensors(model)
+    with torch.no_grad():
+        for n, t in {**named.tensors, **named.transient}.items():
+            if n in kept:
+                _local(t).copy_(kept[n])
+    return named
+
+
+def _match(
+    named: _Named, source: Source, key_map: KeyMap | None
+) -> tuple[dict[str, str], list[str]]:
+    """``{model name: checkpoint name}`` for every tensor the checkpoint provides (tied
+    tensors from their first name if present, else another one), and the unexpected names."""
+    plan: dict[str, str] = {}
+    unexpected = []
+    for target, ckpt_name in _renamed(source.entries, key_map, "load_full_checkpoint").items():
+        first = named.aliases.get(target, target)
+        if first not in named.tensors:
+            unexpected.append(ckpt_name)
+        elif first == target or first not in plan:
+            plan[first] = ckpt_name
+    return plan, unexpected
+
+
+def _box(t: DTensor) -> tuple[slice, ...] | None:
+    """The region of the full tensor this rank's shard holds, if it is one box."""
+    if not all(
+        isinstance(p, (Shard, Replicate)) and type(p) in (Shard, Replicate) for p in t.placements
+    ):
+        return None  # e.g. _StridedShard: rows interleaved from several places
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if tuple(shape) != tuple(t._local_tensor.shape):
+        return None
+    return tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
+
+
+def _load_one(source: Source, ckpt_name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, DTensor):
+        _fill(t, source.read(ckpt_name, None, out=t))
+        return
+    local = t._local_tensor
+    if local.numel() == 0:
+        return
+    box = _box(t)
+    if box is not None:
+        _fill(local, source.read(ckpt_name, box, out=local))
+        return
+    # Transiently the full tensor; distribute_tensor with src_data_rank=None only slices.
+    full = source.read(ckpt_name, None).to(local.dtype)
+    local.copy_(
+        distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None)._local_tensor
+    )
+
+
+def _fill(dst: torch.Tensor, data: torch.Tensor) -> None:
+    if data is not dst:  # read into a temporary: another dtype or device
+        dst.copy_(data)
+
+
+def save_full_checkpoint(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    key_map: KeyMap | None = None,
+    writers: int | None = None,
+) -> list[str]:
+    """Write ``model``'s full tensors as a Hugging Face-compatible safetensors checkpoint.
+
+    Collective: every rank of the default process group calls it with the same arguments.
+    Tensors are gathered one at a time to the rank writing their file (one ``gather`` over
+    the shard group for FSDP / HSDP layouts, ``DTensor.full_tensor()`` for others) and
+    streamed into the file by a writer thread while the next one is gathered, so a rank
+    holds at most three full tensors beyond its shards.
+    Files are spread over the ranks (file ``i`` is written by rank ``i % writers``); with
+    ranks on several nodes, ``path`` must be on a shared filesystem, or pass ``writers=1``.
+
+    Args:
+        model: a model sharded with ``fully_shard`` (or any module).
+        path: a directory (created if needed) that receives ``model.safetensors`` or, past
+            ``max_shard_size``, ``model-0000i-of-0000n.safetensors`` files and
+            ``model.safetensors.index.json``, as ``save_pretrained`` writes them; or a
+            ``.safetensors`` file name (one file, whatever its size).
+        max_shard_size: the largest file, in bytes or as ``"5GB"`` / ``"500MiB"``; a tensor
+            larger than it gets a file of its own.
+        dtype: cast floating-point tensors to this dtype (e.g. ``torch.bfloat16``) in the
+            file; ``None`` keeps each tensor's dtype.
+        key_map: renames the model's names to the checkpoint's (see :data:`KeyMap`).
+        writers: how many ranks write files (default: all).
+
+    Returns:
+        The paths of the files written (the index last, if any), on every rank.
+
+    Raises:
+        ValueError / TypeError: bad arguments, a model still on the meta device, two names
+            mapped to one: raised before any collective. ``ValueError`` on every rank, before
+            any tensor is gathered, if the ranks would write different checkpoints
+            (different models, key maps or arguments on some rank).
+        RuntimeError: a rank failed to write (on every rank, naming it); nothing is published.
+    """
+    limit = parse_size(max_shard_size)
+    if dtype is not None and not dtype.is_floating_point:
+        raise TypeError(f"save_full_checkpoint: dtype must be a floating-point dtype, got {dtype}")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if writers is not None and (not isinstance(writers, int) or writers < 1):
+        raise ValueError(f"save_full_checkpoint: writers must be a positive int, got {writers!r}")
+    n_writers = min(writers or world, world)
+    path = os.fspath(path)
+    single_file = path.endswith(".safetensors")
+    if os.path.isfile(path) and not single_file:
+        raise ValueError(
+            f"save_full_checkpoint: {path} is a file; pass a directory or a .safetensors name"
+        )
+    _reshard(model)
+    named = _named_tensors(model)
+    on_meta = [name for name, t in named.tensors.items() if t.is_meta]
+    if on_meta:
+        raise ValueError(f"save_full_checkpoint: {', '.join(on_meta)} are on the meta device")
+    specs = _save_specs(named, key_map, dtype)
+    files = plan_files(specs, limit, path, single_file)
+    check_same_plan(files, n_writers)
+    return write_checkpoint(path, files, n_writers, rank, single_file)
+
+
+def _save_specs(
+    named: _Named, key_map: KeyMap | None, dtype: torch.dtype | None
+) -> dict[str, Spec]:
+    specs: dict[str, Spec] = {}
+    for ckpt_name, name in _renamed(named.tensors, key_map, "save_full_checkpoint").items():
+        tensor = named.tensors[name]
+        out = dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype
+        st_dtype(out, f"save_full_checkpoint: {name}")
+        plain(_local(tensor), name)  # a subclass without plain values: TypeError on every rank
+        specs[ckpt_name] = Spec(name, tensor, tensor.shape, out)
+    return specs

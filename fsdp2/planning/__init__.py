@@ -1,0 +1,1 @@
+"""Planning and observing a training step: ``estimate_memory`` and ``timeline``."""

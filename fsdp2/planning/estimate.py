@@ -1,0 +1,657 @@
+"""Per-rank peak memory of a training step, before launch: ``fsdp2.estimate_memory``.
+
+The estimate is a simulation, not a formula: the model is sharded with ``fully_shard``
+on a mesh of the asked shape and one training step (forward, backward, optimizer step)
+runs for real through fsdp2's engine, but on ``FakeTensor``s (shapes, dtypes and devices,
+no memory) and over torch's fake process group (collectives return at once). A dispatch
+mode sees every tensor the step creates and every one that dies, so the peak is that of
+the live tensors, taken after every operator, exactly what fsdp2 and the model allocate:
+all-gather and reduce-scatter buffers, prefetched groups, activations (with activation
+checkpointing's recompute), gradients, the optimizer's state and its temporaries.
+
+See [Note: simulated step] for how the peak is split into parts.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from fsdp2._core import debug as _debug
+from fsdp2._core import labels as _labels
+from fsdp2._core import storage as _storage
+from fsdp2._core.seam import _states, compute_device
+from fsdp2._core.sharding import FSDPModule, fully_shard
+from fsdp2._core.state import FSDPState
+from fsdp2.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = ["MemoryEstimate", "estimate_memory"]
+
+PARTS = (
+    "parameters (sharded)",
+    "parameters (unsharded)",
+    "gradients (sharded)",
+    "gradients (unsharded)",
+    "optimizer state",
+    "activations",
+    "communication buffers",
+    "other",
+)
+
+# [Note: simulated step]
+# Every storage the step creates gets a part when it is allocated, from where the
+# engine is: inside any of its labels (fsdp2/_core/labels.py: copy-in, all-gather, copy-out,
+# reshard, reduce-scatter, all-reduce) it is a communication buffer; in a forward it is
+# an activation; in a backward, outside the engine's labels, an activation's gradient
+# (counted with the activations); in the optimizer step, optimizer state (its temporaries
+# included); before the forward, "other" (the batch). The unsharded parameters are the
+# storages fsdp2 resizes (fsdp2/_core/storage.py tells the tracker). Two parts are known only
+# later, and move when they become known: a parameter's unsharded gradient (autograd
+# allocates it in the backward; it moves to "gradients (unsharded)" when the group's
+# post-backward hook takes it) and a reduce-scatter's output (moves to "gradients
+# (sharded)" once it is the sharded ``.grad``). What exists when the measured step starts
+# is sorted by identity: the sharded parameters, gradients, the optimizer's state; buffers
+# are "other".
+#
+# The simulated rank is rank 0, whose shards are the largest (dim-0 shards are
+# ``ceil(rows / world)`` rows, the last ranks get fewer or none).
+
+
+def _fmt(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """The simulated peak of one training step on one rank (rank 0: the largest shards).
+
+    ``print(estimate)`` shows the peak, its parts and, when other settings were
+    simulated too, a table of the peak under each.
+    """
+
+    peak_bytes: int
+    """Peak live tensor bytes on the compute device during a steady-state step."""
+    parts: dict[str, int]
+    """The peak split into parts (keys: ``fsdp2.planning.estimate.PARTS``); they add up to it."""
+    when: str
+    """Where the step was at the peak, e.g. ``"backward of layers.3"``."""
+    unsharded: tuple[str, ...]
+    """The groups whose parameters were unsharded (or being gathered) at the peak."""
+    settings: str
+    """The simulated settings, e.g. ``"reshard_after_forward=True"``."""
+    host_peak_bytes: int
+    """Peak bytes on the host when the compute device is not the CPU (CPU offload keeps
+    the sharded parameters, gradients and optimizer state there); 0 otherwise."""
+    world_size: int
+    mesh_shape: tuple[int, ...]
+    device: str
+    alternatives: tuple[MemoryEstimate, ...] = field(default=())
+    """The same step simulated with other settings (``reshard_after_forward`` choices,
+    with/without CPU offload): pick the one that fits."""
+
+    def __str__(self) -> str:
+        lines = [
+            f"fsdp2 memory estimate: rank 0 of {self.world_size} (mesh {self.mesh_shape}), "
+            f"{self.device}, {self.settings}",
+            f"peak {_fmt(self.peak_bytes)} per rank, in the {self.when}",
+        ]
+        if self.unsharded:
+            lines.append("  unsharded then: " + ", ".join(self.unsharded))
+        width = max(len(p) for p in PARTS)
+        for part in PARTS:
+            if self.parts.get(part):
+                lines.append(f"  {part:<{width}}  {_fmt(self.parts[part]):>11}")
+        if self.host_peak_bytes:
+            lines.append(f"  host memory (peak)  {_fmt(self.host_peak_bytes)}")
+        if self.alternatives:
+            rows = [self, *self.alternatives]
+            w = max(len(r.settings) for r in rows)
+            lines.append("")
+            lines.append(f"{'settings':<{w}}  {'peak':>11}  {'host':>11}")
+            for r in rows:
+                host = _fmt(r.host_peak_bytes) if r.host_peak_bytes else "-"
+                lines.append(f"{r.settings:<{w}}  {_fmt(r.peak_bytes):>11}  {host:>11}")
+        return "\n".join(lines)
+
+
+# ---- the tracker ----------------------------------------------------------------------
+
+
+class _Entry:
+    __slots__ = ("nbytes", "part", "ref")
+
+    def __init__(self, ref: StorageWeakRef, nbytes: int, part: str) -> None:
+        self.ref = ref
+        self.nbytes = nbytes
+        self.part = part
+
+
+class _Tracker(TorchDispatchMode):
+    """Live storages on the compute device (and the host), their parts, and the peak."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device_type = device.type
+        self.entries: dict[int, _Entry] = {}  # by storage identity (its weak cdata)
+        self.host: dict[int, _Entry] = {}
+        self.upper = 0  # live bytes, counting the dead not yet swept: never below live
+        self.host_upper = 0  # the same on the host
+        self.phase = "setup"
+        self.where = "setup"
+        self.labels: list[str] = []
+        self.hooks: list[str] = []
+        self.unsharded: dict[int, str] = {}  # id(unsharded storage) -> group path, while alive
+        self.states: list[FSDPState] = []
+        self.params: list[nn.Parameter] = []
+        self.reset_peak()
+
+    # -- bookkeeping
+    def reset_peak(self) -> None:
+        self.sweep()
+        self.peak = -1
+        self.host_peak = 0
+        self.check_peak()
+
+    def sweep(self) -> None:
+        for table in (self.entries, self.host):
+            dead = [k for k, e in table.items() if e.ref.expired()]
+            for k in dead:
+                self._add(table, -table[k].nbytes)
+                del table[k]
+
+    def _add(self, table: dict[int, _Entry], nbytes: int) -> None:
+        if table is self.entries:
+            self.upper += nbytes
+        else:
+            self.host_upper += nbytes
+
+    def check_peak(self) -> None:
+        if self.upper <= self.peak and self.host_upper <= self.host_peak:
+            return
+        self.sweep()
+        self.host_peak = max(self.host_peak, self.host_upper)
+        if self.upper <= self.peak:
+            return
+        self.peak = self.upper
+        parts = dict.fromkeys(PARTS, 0)
+        for e in self.entries.values():
+            parts[e.part] += e.nbytes
+        self.peak_parts = parts
+        self.peak_where = self.where
+        self.peak_unsharded = tuple(dict.fromkeys(self.unsharded.values()))
+
+    def part_now(self) -> str:
+        if self.labels:
+            return "communication buffers"
+        if self.phase == "optimizer":
+            return "optimizer state"
+        if self.hooks and self.hooks[-1] in ("post_backward", "final_callback"):
+            return "gradients (sharded)"
+        if self.phase in ("forward", "backward"):
+            return "activations"
+        return "other"
+
+    def track(self, t: torch.Tensor, part: str | None = None, *, move: bool = False) -> None:
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        if type(t) is not torch.Tensor and not isinstance(t, torch._subclasses.FakeTensor):
+            if hasattr(t, "__tensor_flatten__"):  # e.g. a float8 weight: its inner tensors
+                for name in t.__tensor_flatten__()[0]:
+                    self.track(getattr(t, name), part, move=move)
+            return
+        storage = t.untyped_storage()
+        ref = StorageWeakRef(storage)
+        key = ref.cdata
+        table = self.entries if t.device.type == self.device_type else self.host
+        e = table.get(key)
+        if e is not None and e.ref.expired():  # a dead storage's address, reused
+            self._add(table, -e.nbytes)
+            del table[key]
+            e = None
+        if e is None:
+            nbytes = storage.nbytes()
+            table[key] = _Entry(ref, nbytes, part or self.part_now())
+            self._add(table, nbytes)
+        elif move and part is not None:
+            e.part = part
+
+    def resized(self, t: torch.Tensor) -> None:
+        """fsdp2 resized an unsharded parameter storage (``_storage``)."""
+        table = self.entries if t.device.type == self.device_type else self.host
+        key = StorageWeakRef(t.untyped_storage()).cdata
+        e = table.get(key)
+        nbytes = t.untyped_storage().nbytes()
+        if e is None:
+            self.track(t, "parameters (unsharded)")
+        else:
+            self._add(table, nbytes - e.nbytes)
+            e.nbytes = nbytes
+            e.part = "parameters (unsharded)"
+        if nbytes:
+            self.unsharded[id(t)] = self.path_of(t)
+        else:
+            self.unsharded.pop(id(t), None)
+        self.check_peak()
+
+    def path_of(self, t: torch.Tensor) -> str:
+        for st in self.states:
+            g = st.group
+            if g is None:
+                continue
+            if any(b is t for b in g.unsharded_bufs):
+                return g.path
+            for p in g.ext_params:  # tensor-subclass parameters' own outputs
+                if p.ext is not None and any(
+                    x is t for x in (*(p.ext.outputs or ()), *p.ext.to_free)
+                ):
+                    return g.path
+        return "?"
+
+    # -- the engine's labels and hooks (fsdp2/_core/labels.py)
+    @contextmanager
+    def label(self, kind: str) -> Iterator[None]:
+        self.labels.append(kind)
+        try:
+            yield
+        finally:
+            self.labels.pop()
+
+    @contextmanager
+    def hook(self, kind: str, state: FSDPState) -> Iterator[None]:
+        group = state.group
+        path = group.path if group is not None else type(state.modules[0]).__name__
+        if kind == "pre_forward":
+            self.phase = "forward" if self.phase != "backward" else "backward"
+            self.where = f"{'recompute' if self.phase == 'backward' else 'forward'} of {path}"
+        elif kind == "pre_backward":
+            self.phase = "backward"
+            self.where = f"backward of {path}"
+        elif kind == "post_backward":
+            self.where = f"post-backward of {path}"
+            if group is not None:  # its gradients, computed by autograd, are taken now
+                for p in group.grad_params:
+                    u = p.unsharded
+                    if u is not None and u.grad is not None:
+                        self.track(u.grad, "gradients (unsharded)", move=True)
+        elif kind == "final_callback":
+            self.where = "end of the backward"
+        self.hooks.append(kind)
+        try:
+            yield
+        finally:
+            self.hooks.pop()
+            if kind in ("post_backward", "final_callback"):
+                self.sharded_grads_landed()
+
+    def sharded_grads_landed(self) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                self.track(p.grad, "gradients (sharded)", move=True)
+
+    # -- every operator
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        self.check_peak()
+        return out
+
+
+# ---- the simulation -------------------------------------------------------------------
+
+
+def _optimizer(
+    spec: str | Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+    if callable(spec):
+        return spec
+    builders: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
+        "adamw": lambda ps: torch.optim.AdamW(ps),
+        "adam": lambda ps: torch.optim.Adam(ps),
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+        "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    }
+    if spec not in builders:
+        raise ValueError(
+            f"estimate_memory: unknown optimizer {spec!r}; use one of {sorted(builders)} "
+            "or a function that builds the optimizer from the parameters"
+        )
+    return builders[spec]
+
+
+def _default_step(model: nn.Module, batch: Any) -> torch.Tensor:
+    if isinstance(batch, dict):
+        out = model(**batch)
+    elif isinstance(batch, (tuple, list)):
+        out = model(*batch)
+    else:
+        out = model(batch)
+    loss = getattr(out, "loss", None)
+    if loss is None:
+        loss = out[0] if isinstance(out, (tuple, list)) else out
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            "estimate_memory: the model's output is not a tensor (nor has .loss): pass "
+            "step_fn=lambda model, batch: <the loss> to say how a step computes its loss"
+        )
+    return loss if loss.numel() == 1 else loss.float().sum()
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _default_blocks(model: nn.Module) -> list[nn.Module]:
+    """The usual sharding: every module held in an ``nn.ModuleList`` (a model's
+    layers), then the root."""
+    blocks: list[nn.Module] = []
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList):
+            blocks.extend(m)
+    return blocks
+
+
+def _select_blocks(
+    model: nn.Module, shard: type | tuple[type, ...] | Callable[[nn.Module], bool] | None
+) -> list[nn.Module]:
+    if shard is None:
+        return _default_blocks(model)
+    if isinstance(shard, type) or (
+        isinstance(shard, tuple) and all(isinstance(s, type) for s in shard)
+    ):
+        return [m for m in model.modules() if m is not model and isinstance(m, shard)]
+    if callable(shard):
+        return [m for m in model.modules() if m is not model and shard(m)]
+    raise TypeError(
+        "estimate_memory: shard must be a module class, a tuple of classes or a "
+        f"function module -> bool, got {type(shard).__name__}"
+    )
+
+
+def _mesh(device: str, shape: tuple[int, ...]) -> DeviceMesh:
+    ranks = torch.arange(math.prod(shape)).view(shape)
+    names = ("dp_shard",) if len(shape) == 1 else ("dp_replicate", "dp_shard")
+    return DeviceMesh(device, ranks, mesh_dim_names=names)
+
+
+@contextmanager
+def _fake_world(world_size: int) -> Iterator[None]:
+    if dist.is_initialized():
+        backend = dist.get_backend()
+        if backend != "fake" or dist.get_world_size() != world_size or dist.get_rank() != 0:
+            raise RuntimeError(
+                "estimate_memory simulates rank 0 of a fake process group of "
+                f"{world_size} ranks and sets it up itself, but a process group "
+                f"({backend}, {dist.get_world_size()} ranks) is already initialized: call "
+                "it before init_process_group (e.g. in a planning script), or initialize "
+                f'init_process_group("fake", store=dist.HashStore(), rank=0, '
+                f"world_size={world_size}) yourself"
+            )
+        yield
+        return
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    dist.init_process_group("fake", store=store, rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextmanager
+def _watching(tracker: _Tracker) -> Iterator[None]:
+    was_debug = _debug.is_debug()
+    _labels.watch = _storage.watch = tracker
+    _debug.set_debug(False)  # its checks talk to the store; nothing to check here
+    try:
+        yield
+    finally:
+        _labels.watch = _storage.watch = None
+        _debug.set_debug(was_debug)
+
+
+def _fake_batch(batch: Any, device: torch.device) -> Any:
+    def fake(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return torch.empty(x.shape, dtype=x.dtype, device=device)
+        return x
+
+    return tree_map(fake, batch)
+
+
+def _simulate(
+    build: Callable[[DeviceMesh], nn.Module],
+    batch: Any,
+    step_fn: Callable[[nn.Module, Any], torch.Tensor],
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    mesh: DeviceMesh,
+    reshard: bool | None,
+    settings: str,
+) -> MemoryEstimate:
+    device = torch.device(mesh.device_type)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    tracker = _Tracker(device)
+    with fake_mode, _watching(tracker), tracker:
+        model = build(mesh)
+        if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+            model.to_empty(device=compute_device(model) or device)  # built on meta
+        if reshard is not None:  # every block's, not the root's
+            for m in model.modules():
+                if isinstance(m, FSDPModule) and m is not model:
+                    m.set_reshard_after_forward(reshard, recurse=False)
+        params = [p for p in model.parameters() if p.requires_grad]
+        tracker.params = params
+        tracker.states = _states(model, recurse=True)
+        opt = optimizer(params)
+        steps = 2  # the first builds the optimizer's state and learns the prefetch order
+        for i in range(steps):
+            if i == steps - 1:
+                _sort_persistent(tracker, model, opt)
+                tracker.reset_peak()
+            tracker.phase = tracker.where = "setup"
+            b = _fake_batch(batch, compute_device(model) or device)
+            tracker.phase = "forward"
+            loss = step_fn(model, b)
+            if not isinstance(loss, torch.Tensor):
+                raise TypeError(
+                    f"estimate_memory: step_fn returned a {type(loss).__name__}, not the "
+                    "loss tensor to call backward() on"
+                )
+            tracker.phase = "backward"
+            tracker.where = "backward"
+            loss.backward()
+            del loss, b
+            tracker.phase = "optimizer"
+            tracker.where = "optimizer step"
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            tracker.check_peak()
+    shape = tuple(mesh.shape)
+    return MemoryEstimate(
+        peak_bytes=tracker.peak,
+        parts=tracker.peak_parts,
+        when=tracker.peak_where,
+        unsharded=tracker.peak_unsharded,
+        settings=settings,
+        host_peak_bytes=tracker.host_peak if device.type != "cpu" else 0,
+        world_size=math.prod(shape),
+        mesh_shape=shape,
+        device=device.type,
+    )
+
+
+def _sort_persistent(tracker: _Tracker, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    tracker.sweep()
+    for e in (*tracker.entries.values(), *tracker.host.values()):
+        if e.part != "parameters (unsharded)":
+            e.part = "other"
+    for p in model.parameters():
+        tracker.track(p, "parameters (sharded)", move=True)
+        if p.grad is not None:
+            tracker.track(p.grad, "gradients (sharded)", move=True)
+    for b in model.buffers():
+        tracker.track(b, "other", move=True)
+    for state in opt.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                tracker.track(v, "optimizer state", move=True)
+
+
+def estimate_memory(
+    model: nn.Module | Callable[[DeviceMesh], nn.Module],
+    batch: Any,
+    *,
+    mesh_shape: int | Sequence[int],
+    device: str | None = None,
+    shard: type | tuple[type, ...] | Callable[[nn.Module], bool] | None = None,
+    reshard_after_forward: bool | int | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    optimizer: str | Callable[[list[nn.Parameter]], torch.optim.Optimizer] = "adamw",
+    step_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    compare: bool = True,
+) -> MemoryEstimate:
+    """Simulate one training step on rank 0 and return its peak memory, split into parts.
+
+    Nothing is allocated: the step runs on ``FakeTensor``s over torch's fake process group,
+    so a model of any size and a mesh of any size can be planned on a laptop (see
+    docs/debugging.md, "Planning and debugging"). The step is ``loss = step_fn(model,
+    batch)``, ``loss.backward()``, ``optimizer.step()``, ``optimizer.zero_grad()``; its
+    second run is measured (the first builds the optimizer's state).
+
+    Args:
+        model: the model, unsharded, best built on the meta device (``with
+            torch.device("meta"): model = Model(cfg)``; a real model works too, it is
+            copied). It is sharded like a training script would: ``fully_shard`` on every
+            module chosen by ``shard``, then on the root. Or a function ``build(mesh)``
+            that builds and shards the model itself on the given mesh (any ``fully_shard``
+            calls and settings of its own).
+        batch: a sample batch: tensors (on the meta device is enough: only shapes and
+            dtypes matter) in a tuple, list, dict, or alone, as the model takes it.
+        mesh_shape: ``N`` or ``(N,)`` for FSDP over ``N`` ranks; ``(R, S)`` for HSDP
+            (``R`` replicas of ``S``-way sharding).
+        device: the device type to plan for (``"cuda"``, ``"cpu"``; default: ``"cuda"``
+            when one is available, else ``"cpu"``).
+        shard: which submodules get their own ``fully_shard`` call: a module class, a
+            tuple of them, or a function ``module -> bool``. Default: every module held in
+            an ``nn.ModuleList`` (a model's layers).
+        reshard_after_forward, mp_policy, offload_policy: ``fully_shard``'s arguments for
+            every call (the root's ``reshard_after_forward`` stays ``None``: it keeps its
+            parameters after the forward). With ``build``, ``reshard_after_forward`` is
+            applied with ``set_reshard_after_forward`` to every module but the root.
+        optimizer: ``"adamw"`` (default), ``"adam"``, ``"sgd"``, ``"sgd_momentum"``, or a
+            function ``params -> Optimizer``.
+        step_fn: ``(model, batch) -> loss``. Default: call the model on the batch and take
+            its output (or its ``.loss``), summed if it is not a scalar.
+        compare: also simulate the other ``reshard_after_forward`` choices (``True``,
+            ``False``) and, when ``model`` is a module, with and without CPU offload;
+            they are in ``alternatives``.
+
+    Returns:
+        A :class:`MemoryEstimate`: ``print`` it for a table.
+
+    Raises:
+        ValueError: a bad ``mesh_shape``, an unknown optimizer, or a model that is already
+            sharded (pass a ``build(mesh)`` function instead).
+        RuntimeError: a process group other than a fake one of the same size is already
+            initialized.
+    """
+    shape = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(mesh_shape)
+    if not 1 <= len(shape) <= 2 or not all(isinstance(s, int) and s >= 1 for s in shape):
+        raise ValueError(
+            f"estimate_memory: mesh_shape must be N (FSDP) or (R, S) (HSDP) with positive "
+            f"sizes, got {mesh_shape!r}"
+        )
+    if not isinstance(model, nn.Module):
+        given = {
+            "shard": shard,
+            "reshard_after_forward": reshard_after_forward,
+            "mp_policy": mp_policy,
+            "offload_policy": offload_policy,
+        }
+        if any(v is not None for v in given.values()):
+            names = ", ".join(k for k, v in given.items() if v is not None)
+            raise ValueError(
+                f"estimate_memory: {names} apply to a model that estimate_memory shards; "
+                "build(mesh) shards its model itself: pass them to its fully_shard calls"
+            )
+    elif _is_sharded(model):
+        raise ValueError(
+            f"estimate_memory: {type(model).__name__} is already sharded with fully_shard; "
+            "pass the unsharded model, or a function build(mesh) that builds and shards it "
+            "on the mesh it is given (the simulation shards a fresh copy for each setting)"
+        )
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dev == "cuda" and not torch.backends.cuda.is_built():
+        raise RuntimeError(
+            "estimate_memory(device='cuda') needs a torch built with CUDA (fake CUDA "
+            "tensors still go through its device code); this torch is CPU-only: plan with "
+            "device='cpu' (the same parameters, gradients, optimizer state and "
+            "communication buffers; kernels that differ by device, such as attention, "
+            "may save different activations)"
+        )
+    opt = _optimizer(optimizer)
+    step = step_fn or _default_step
+    mp = mp_policy or MixedPrecisionPolicy()
+    offload = offload_policy or OffloadPolicy()
+    if isinstance(offload, CPUOffloadPolicy):  # pinned or not, the same bytes (and pinning
+        offload = CPUOffloadPolicy(pin_memory=False)  # needs an accelerator the plan may lack)
+
+    def builder(rshd: bool | int, off: OffloadPolicy) -> Callable[[DeviceMesh], nn.Module]:
+        assert isinstance(model, nn.Module)
+
+        # Copied on the meta device (deepcopy does not work in the fake mode), then
+        # materialized (fake) and sharded in the fake mode.
+        meta = copy.deepcopy(model).to("meta")
+
+        def build(mesh: DeviceMesh) -> nn.Module:  # (called once)
+            m = meta.to_empty(device=dev)
+            kw: dict[str, Any] = {"mesh": mesh, "mp_policy": mp, "offload_policy": off}
+            for block in _select_blocks(m, shard):
+                fully_shard(block, reshard_after_forward=rshd, **kw)
+            fully_shard(m, **kw)
+            return m
+
+        return build
+
+    runs: list[tuple[Callable[[DeviceMesh], nn.Module], bool | None, str]] = []
+    if not isinstance(model, nn.Module):  # build(mesh): as built, then every block set
+        runs.append((model, None, "as built"))
+        if compare:
+            runs += [(model, c, f"reshard_after_forward={c}") for c in (True, False)]
+    else:
+        first = True if reshard_after_forward is None else reshard_after_forward
+        choices = [first]
+        if compare:
+            choices += [c for c in (True, False) if c is not first]
+        offloaded = isinstance(offload, CPUOffloadPolicy)
+        for c in choices:
+            name = f"reshard_after_forward={c}" + (", CPU offload" if offloaded else "")
+            runs.append((builder(c, offload), None, name))
+        if compare and dev != "cpu":  # (on a CPU the offload moves nothing)
+            other = OffloadPolicy() if offloaded else CPUOffloadPolicy(pin_memory=False)
+            for c in choices:
+                name = f"reshard_after_forward={c}" + ("" if offloaded else ", CPU offload")
+                runs.append((builder(c, other), None, name))
+    with _fake_world(math.prod(shape)):
+        mesh = _mesh(dev, shape)
+        results = [_simulate(b, batch, step, opt, mesh, r, s) for b, r, s in runs]
+    return replace(results[0], alternatives=tuple(results[1:]))
