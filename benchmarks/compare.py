@@ -13,12 +13,26 @@ at the last step of each (they must agree).
 training and float8 all-gather (``enable_fsdp_float8_all_gather=True``), and calls
 ``precompute_float8_dynamic_scale_for_fsdp`` after each optimizer step. The table's
 ``AG MiB`` column is the all-gather input bytes one rank sends in one step.
+
+``--baseline DIR`` adds ``fsdp2_baseline``: the ``fsdp2`` package under DIR (e.g. a
+``git worktree`` of an older commit) imported as a second package and sharding the
+model exactly as ``fsdp2`` does, stepped right after ``fsdp2`` in every repeat (or where
+``--impls`` puts ``fsdp2_baseline``), to measure a change A/B in one run. Below the table
+it prints fsdp2 / fsdp2_baseline: the step ratio of the medians, the median and range of
+the per-repeat ratios (the two stepped back to back), and the peak-memory ratio. DIR's
+fsdp2 must import itself relatively (``from . import``): an absolute ``fsdp2`` import
+would silently run this checkout's code, so it is refused.
+
+    git worktree add /tmp/before HEAD~1
+    python benchmarks/compare.py --impls fsdp2,torch_fsdp2 --baseline /tmp/before
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
+import importlib.util
 import os
 import platform
 import statistics
@@ -37,10 +51,66 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _memory import peak_step_bytes  # noqa: E402
 
-from fsdp2._core import collectives as fsdp2_collectives  # noqa: E402
+from fsdp2._core.observe import HUB, Collective, Observer  # noqa: E402
 from fsdp2.models import Llama, LlamaConfig, TransformerBlock  # noqa: E402
 
 IMPLS = ("fsdp2", "torch_fsdp2", "torch_fsdp1", "ddp", "single")
+BASELINE = "fsdp2_baseline"
+
+
+def absolute_fsdp2_imports(root: str) -> list[str]:
+    """``file:line`` of every absolute ``fsdp2`` import in ``root``/fsdp2: loaded as
+    ``fsdp2_baseline`` those would bind this checkout's modules, not the baseline's."""
+    pkg = os.path.join(root, "fsdp2")
+    found = []
+    for dirpath, _, files in os.walk(pkg):
+        for name in sorted(files):
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, name)
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read(), path)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.level == 0:
+                    mods = [node.module or ""]
+                elif isinstance(node, ast.Import):
+                    mods = [alias.name for alias in node.names]
+                else:
+                    continue
+                if any(m == "fsdp2" or m.startswith("fsdp2.") for m in mods):
+                    found.append(f"{os.path.relpath(path, root)}:{node.lineno}")
+    return found
+
+
+def load_baseline(root: str) -> None:
+    """Import ``root``/fsdp2 as the package ``fsdp2_baseline``."""
+    init = os.path.join(root, "fsdp2", "__init__.py")
+    spec = importlib.util.spec_from_file_location(
+        "fsdp2_baseline", init, submodule_search_locations=[os.path.dirname(init)]
+    )
+    assert spec is not None and spec.loader is not None, f"no fsdp2 package under {root}"
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fsdp2_baseline"] = module
+    spec.loader.exec_module(module)
+
+
+class _AllGathers(Observer):
+    """Sums the bytes of fsdp2's all-gathers (however carried), and knows when fsdp2 is
+    inside one of its "... issue" regions (its own ``torch.distributed`` calls)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.depth = 0
+
+    def collective(self, c: Collective) -> None:
+        if c.kind == "all-gather":
+            self.sent += c.input_numel * c.dtype.itemsize
+
+    def enter(self, kind: str, what: str) -> None:
+        self.depth += kind.endswith(" issue")
+
+    def exit(self, kind: str) -> None:
+        self.depth -= kind.endswith(" issue")
 
 
 def build(cfg: LlamaConfig, float8: bool = False) -> nn.Module:
@@ -58,7 +128,10 @@ def build(cfg: LlamaConfig, float8: bool = False) -> nn.Module:
 
 
 def all_gather_bytes(fn) -> int:  # type: ignore[no-untyped-def]
-    """Bytes of all-gather input this rank sends while ``fn()`` runs."""
+    """Bytes of all-gather input this rank sends while ``fn()`` runs: fsdp2's through its
+    observer interface, everyone else's (torch's, the baseline's) through ``torch.distributed``
+    and the baseline's own gloo exchanges."""
+    fsdp2_seen = _AllGathers()
     sent = [0]
     patches = []
     for name in ("all_gather_single", "all_gather_into_tensor"):
@@ -67,34 +140,38 @@ def all_gather_bytes(fn) -> int:  # type: ignore[no-untyped-def]
             continue
 
         def counted(output, input, *a, _orig=orig, **k):  # type: ignore[no-untyped-def]
-            sent[0] += input.numel() * input.element_size()
+            if not fsdp2_seen.depth:
+                sent[0] += input.numel() * input.element_size()
             return _orig(output, input, *a, **k)
 
         patches.append(mock.patch.object(dist, name, counted))
-    exchange = fsdp2_collectives._all_gather_by_exchange  # fsdp2 on gloo
+    if BASELINE in sys.modules:  # an older fsdp2 (before the observer interface)
+        mod = importlib.import_module(f"{BASELINE}._collectives")
+        exchange = getattr(mod, "_all_gather_by_exchange", None)
+        if exchange is not None:
 
-    def counted_exchange(output, input, group):  # type: ignore[no-untyped-def]
-        sent[0] += input.numel() * input.element_size()
-        return exchange(output, input, group)
+            def counted_exchange(output, input, group, _orig=exchange):  # type: ignore[no-untyped-def]
+                sent[0] += input.numel() * input.element_size()
+                return _orig(output, input, group)
 
-    into = fsdp2_collectives.all_gather_into  # fsdp2 on gloo, straight into the parameters
+            patches.append(mock.patch.object(mod, "_all_gather_by_exchange", counted_exchange))
+        into = getattr(mod, "all_gather_into", None)  # straight into the parameters
+        if into is not None:
 
-    def counted_into(input, sizes, rows, group):  # type: ignore[no-untyped-def]
-        sent[0] += input.numel() * input.element_size()
-        return into(input, sizes, rows, group)
+            def counted_into(input, sizes, rows, group, _orig=into):  # type: ignore[no-untyped-def]
+                sent[0] += input.numel() * input.element_size()
+                return _orig(input, sizes, rows, group)
 
-    patches.append(
-        mock.patch.object(fsdp2_collectives, "_all_gather_by_exchange", counted_exchange)
-    )
-    patches.append(mock.patch.object(fsdp2_collectives, "all_gather_into", counted_into))
+            patches.append(mock.patch.object(mod, "all_gather_into", counted_into))
     for patch in patches:
         patch.start()
     try:
-        fn()
+        with HUB.observing(fsdp2_seen):
+            fn()
     finally:
         for patch in patches:
             patch.stop()
-    return sent[0]
+    return sent[0] + fsdp2_seen.sent
 
 
 def llama_config(args: argparse.Namespace) -> LlamaConfig:
@@ -110,19 +187,19 @@ def llama_config(args: argparse.Namespace) -> LlamaConfig:
 
 def wrap(impl: str, model: nn.Module, mesh, args) -> nn.Module:  # type: ignore[no-untyped-def]
     bf16 = args.dtype == "bf16"
-    if impl in ("fsdp2", "torch_fsdp2"):
+    if impl in ("fsdp2", BASELINE, "torch_fsdp2"):
         if impl == "fsdp2":
-            from fsdp2 import MixedPrecisionPolicy, fully_shard
+            import fsdp2 as api
+        elif impl == BASELINE:
+            api = sys.modules[BASELINE]
         else:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        mp_policy = MixedPrecisionPolicy(
+            import torch.distributed.fsdp as api
+        fully_shard = api.fully_shard
+        mp_policy = api.MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if bf16 else None,
             reduce_dtype=torch.float32 if bf16 else None,
         )
-        if impl == "fsdp2":
-            from fsdp2 import CPUOffloadPolicy, OffloadPolicy
-        else:
-            from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+        CPUOffloadPolicy, OffloadPolicy = api.CPUOffloadPolicy, api.OffloadPolicy
         # pin_memory needs an accelerator; on CPU meshes the policy moves nothing anyway.
         offload = CPUOffloadPolicy(pin_memory=False) if args.offload else OffloadPolicy()
         kw = {"mp_policy": mp_policy, "offload_policy": offload}
@@ -161,7 +238,9 @@ def worker(rank: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     mesh = init_device_mesh("cpu", (args.world_size,))
     cfg = llama_config(args)
-    impls = args.impls.split(",")
+    impls = impl_list(args)
+    if args.baseline:
+        load_baseline(args.baseline)
     models, optims = {}, {}
     for impl in impls:
         models[impl] = wrap(impl, build(cfg, args.float8), mesh, args)
@@ -181,7 +260,7 @@ def worker(rank: int, args: argparse.Namespace) -> None:
         loss.backward()
         optims[impl].step()
         optims[impl].zero_grad()
-        if args.float8 and impl in ("fsdp2", "torch_fsdp2"):
+        if args.float8 and impl in ("fsdp2", BASELINE, "torch_fsdp2"):
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
             precompute_float8_dynamic_scale_for_fsdp(model)
@@ -240,6 +319,25 @@ def report(args, impls, times, losses, peaks, ag_bytes) -> None:  # type: ignore
             f"{ag_bytes[i] / 2**20:.2f} | "
             f"{med[i] / med[ref]:.2f}x | {peaks[k] / peaks[iref]:.2f}x | {losses[k]:.5f} |"
         )
+    if BASELINE in impls and "fsdp2" in impls:
+        # Both are stepped in every repeat, so each repeat gives a paired ratio.
+        paired = sorted(a / b for a, b in zip(times["fsdp2"], times[BASELINE], strict=True))
+        ia, ib = impls.index("fsdp2"), impls.index(BASELINE)
+        print(
+            f"\nfsdp2 / {BASELINE}: step {med['fsdp2'] / med[BASELINE]:.3f}x (medians; "
+            f"per repeat: median {statistics.median(paired):.3f}x, "
+            f"{paired[0]:.3f}-{paired[-1]:.3f}x over {len(paired)}), "
+            f"peak mem {peaks[ia] / peaks[ib]:.3f}x"
+        )
+
+
+def impl_list(args: argparse.Namespace) -> list[str]:
+    """``--impls``, with ``fsdp2_baseline`` right after ``fsdp2`` (or last) under
+    ``--baseline`` unless ``--impls`` places it."""
+    impls = args.impls.split(",")
+    if args.baseline and BASELINE not in impls:
+        impls.insert(impls.index("fsdp2") + 1 if "fsdp2" in impls else len(impls), BASELINE)
+    return impls
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -260,7 +358,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--port", type=int, default=29555)
+    ap.add_argument(
+        "--baseline", metavar="DIR", help=f"also run DIR's fsdp2 package, as {BASELINE}"
+    )
     args = ap.parse_args(argv)
+    unknown = set(impl_list(args)) - {*IMPLS, BASELINE}
+    if unknown:
+        ap.error(f"unknown --impls {sorted(unknown)}; choose from {', '.join(IMPLS)}")
+    if BASELINE in impl_list(args) and not args.baseline:
+        ap.error(f"--impls {BASELINE} needs --baseline DIR")
+    if args.baseline:
+        if not os.path.isfile(os.path.join(args.baseline, "fsdp2", "__init__.py")):
+            ap.error(f"--baseline: no fsdp2 package under {args.baseline}")
+        absolute = absolute_fsdp2_imports(args.baseline)
+        if absolute:
+            ap.error(
+                f"--baseline: {args.baseline}'s fsdp2 imports fsdp2 absolutely "
+                f"({', '.join(absolute[:3])}{', ...' if len(absolute) > 3 else ''}); loaded "
+                f"as {BASELINE} it would run this checkout's code instead"
+            )
     mp.spawn(worker, args=(args,), nprocs=args.world_size)
 
 

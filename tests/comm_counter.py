@@ -1,16 +1,17 @@
 """Counting the collectives a training step issues, shared by the communication tests.
 
-``CommCounter`` wraps ``torch.distributed``'s ``all_gather_single``, ``all_gather_into_tensor``,
-``reduce_scatter_single``, ``reduce_scatter_tensor`` and ``all_reduce`` (patched on the module
-for the ``with`` block only, then restored) and records each call's kind, group size and input
-numel as a ``Call``. On gloo fsdp2 reduce-scatters by a send/receive exchange (2 ranks) or an
-in-place all-reduce of the same input ([Note: gloo reduce-scatter] in fsdp2/_core/collectives.py);
-the counter records both as ``"RS"`` (with ``api`` ``"exchange"`` or ``"all_reduce"``;
-``is_fsdp2_reduce_scatter`` tells that all-reduce from others), and its all-gathers by sends
-and receives ([Note: gloo all-gather]; also straight into the parameters, ``all_gather_into``)
-as ``"AG"`` with ``api`` ``"exchange"``; a 2-rank reduce-scatter sent straight from the
-gradients (``reduce_scatter_grads``) counts as ``"RS"`` ``"exchange"`` with the numel of the
-packed input it stands for.
+``CommCounter`` records each collective of a ``with`` block as a ``Call`` (kind, how it was
+carried, group size, input numel): fsdp2's through the engine's observer interface (an
+``Observer`` subscribed to ``fsdp2._core.observe.HUB``: [Note: observation]), and everything
+else (torch's FSDP2, DDP, the tests' own) by wrapping ``torch.distributed``'s public
+``all_gather_single``, ``all_gather_into_tensor``, ``reduce_scatter_single``,
+``reduce_scatter_tensor`` and ``all_reduce`` for the block. A ``torch.distributed`` call made
+while fsdp2 issues one of its own (inside its "... issue" region, e.g. a custom comm's) is
+fsdp2's collective, counted once. On gloo fsdp2 reduce-scatters by a send/receive exchange (2
+ranks) or an in-place all-reduce ([Note: gloo reduce-scatter] in fsdp2/_core/gloo.py): both
+count as ``"RS"`` (``api`` ``"exchange"`` or ``"all_reduce"``), its all-gathers by sends and
+receives as ``"AG"`` with ``api`` ``"exchange"``; a reduce-scatter's numel is that of the
+packed input (every rank's rows), an all-gather's that of this rank's input.
 ``spy_all_gathers`` / ``spy_reduce_scatters`` show a test every all-gather / reduce-scatter
 either way.
 Tests may interleave marker strings (``mark``, ``mark_computes``) to record
@@ -24,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-import sys
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp2._core import collectives as fsdp2_collectives
+from fsdp2._core.observe import HUB, Collective, Observer
 
 __all__ = [
     "AG_API",
@@ -43,7 +43,6 @@ __all__ = [
     "Call",
     "CommCounter",
     "count_calls",
-    "is_fsdp2_reduce_scatter",
     "prefetch_order",
     "shard_numel",
     "spy_all_gathers",
@@ -78,6 +77,33 @@ class Call:
     live_group: bool  # the group is registered in c10d (not destroyed)
 
 
+_OBSERVED_KINDS = {"all-gather": "AG", "reduce-scatter": "RS", "all-reduce": "AR"}
+
+
+class _Issues(Observer):
+    """Follows fsdp2's collectives: ``on_collective(c)`` for each, and whether fsdp2 is
+    inside one of its "... issue" regions (where its ``torch.distributed`` calls are)."""
+
+    def __init__(self, on_collective: Callable[[Collective], None]) -> None:
+        self.on_collective = on_collective
+        self.depth = 0
+
+    def collective(self, c: Collective) -> None:
+        self.on_collective(c)
+
+    def enter(self, kind: str, what: str) -> None:
+        if kind.endswith(" issue"):
+            self.depth += 1
+
+    def exit(self, kind: str) -> None:
+        if kind.endswith(" issue"):
+            self.depth -= 1
+
+
+def _live(group: dist.ProcessGroup | None) -> bool:
+    return group is None or group in dist.distributed_c10d._world.pg_map
+
+
 class CommCounter(contextlib.AbstractContextManager):
     """Records collectives (see ``Call``) and test markers while the ``with`` block runs.
 
@@ -89,57 +115,23 @@ class CommCounter(contextlib.AbstractContextManager):
         self.events: list[Call | str] = []
         self.phase = "?"
         self._stack = contextlib.ExitStack()
+        self._fsdp2 = _Issues(self._observed)
 
     def __enter__(self) -> CommCounter:
         for api in _KINDS:
             orig = getattr(dist, api, None)
             if orig is not None:
                 self._stack.enter_context(mock.patch.object(dist, api, self._wrap(api, orig)))
-        exchange = fsdp2_collectives._reduce_scatter_by_exchange
-
-        def counted_exchange(input: torch.Tensor, op: Any, group: dist.ProcessGroup) -> Any:
-            live = group in dist.distributed_c10d._world.pg_map
-            self.events.append(Call("RS", "exchange", 2, input.numel(), self.phase, live))
-            return exchange(input, op, group)
-
-        gather = fsdp2_collectives._all_gather_by_exchange
-
-        def counted_gather(output: torch.Tensor, input: torch.Tensor, group: Any) -> Any:
-            live = group in dist.distributed_c10d._world.pg_map
-            call = Call("AG", "exchange", group.size(), input.numel(), self.phase, live)
-            self.events.append(call)
-            return gather(output, input, group)
-
-        into = fsdp2_collectives.all_gather_into
-
-        def counted_into(input: torch.Tensor, sizes: Any, rows: Any, group: Any) -> Any:
-            live = group in dist.distributed_c10d._world.pg_map
-            self.events.append(
-                Call("AG", "exchange", group.size(), input.numel(), self.phase, live)
-            )
-            return into(input, sizes, rows, group)
-
-        straight = fsdp2_collectives.reduce_scatter_grads
-
-        def counted_straight(grads: Any, dtype: Any, op: Any, group: Any) -> Any:
-            pending = straight(grads, dtype, op, group)
-            if pending is not None:  # else packed and counted as an exchange
-                live = group in dist.distributed_c10d._world.pg_map
-                numel = 2 * pending.output.numel()
-                self.events.append(Call("RS", "exchange", 2, numel, self.phase, live))
-            return pending
-
-        for name, fn in (
-            ("_reduce_scatter_by_exchange", counted_exchange),
-            ("_all_gather_by_exchange", counted_gather),
-            ("all_gather_into", counted_into),
-            ("reduce_scatter_grads", counted_straight),
-        ):
-            self._stack.enter_context(mock.patch.object(fsdp2_collectives, name, fn))
+        self._stack.enter_context(HUB.observing(self._fsdp2))
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._stack.close()
+
+    def _observed(self, c: Collective) -> None:
+        kind = _OBSERVED_KINDS[c.kind]
+        numel = c.input_numel if kind == "AG" else c.numel
+        self.events.append(Call(kind, c.transport, c.group_size, numel, self.phase, _live(c.group)))
 
     def mark(self, marker: str) -> None:
         self.events.append(marker)
@@ -168,106 +160,66 @@ class CommCounter(contextlib.AbstractContextManager):
         sig = inspect.signature(orig)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            bound = sig.bind(*args, **kwargs).arguments
-            group = bound.get("group")
-            tensor = next(bound[k] for k in _INPUT_ARG if k in bound)
-            live = group is None or group in dist.distributed_c10d._world.pg_map
-            size = dist.get_world_size() if group is None else group.size()
-            kind = "RS" if api == "all_reduce" and is_fsdp2_reduce_scatter() else _KINDS[api]
-            self.events.append(Call(kind, api, size, tensor.numel(), self.phase, live))
+            if not self._fsdp2.depth:  # else fsdp2's own, counted by its observer
+                bound = sig.bind(*args, **kwargs).arguments
+                group = bound.get("group")
+                tensor = next(bound[k] for k in _INPUT_ARG if k in bound)
+                size = dist.get_world_size() if group is None else group.size()
+                call = Call(_KINDS[api], api, size, tensor.numel(), self.phase, _live(group))
+                self.events.append(call)
             return orig(*args, **kwargs)
 
         return counted
 
 
-_RS_BY_AR = fsdp2_collectives._reduce_scatter_by_all_reduce.__code__
-
-
-def is_fsdp2_reduce_scatter(depth: int = 6) -> bool:
-    """Whether the ``dist.all_reduce`` being called (from a patch wrapper, up to ``depth``
-    frames down) is fsdp2's reduce-scatter on gloo."""
-    frame = sys._getframe(1)
-    for _ in range(depth):
-        if frame is None:
-            return False
-        if frame.f_code is _RS_BY_AR:
-            return True
-        frame = frame.f_back
-    return False
-
-
 @contextlib.contextmanager
-def spy_reduce_scatters(
+def _spy(
+    kinds: set[str],
+    apis: set[str],
     record: Callable[[torch.Tensor, Any, dist.ProcessGroup | None], None],
 ) -> Iterator[None]:
-    """Call ``record(input, op, group)`` for every reduce-scatter issued in the block:
-    ``dist.reduce_scatter_single`` (``RS_API``: torch's FSDP2, fsdp2 off gloo) and fsdp2's
-    all-reduce standing in for it on gloo."""
-    rs, ar = getattr(dist, RS_API), dist.all_reduce
+    """``record(input, op, group)`` for every collective of ``kinds`` fsdp2 issues (its input
+    as a meta tensor of the numel ``CommCounter`` records) and every call of ``apis``
+    outside fsdp2."""
+    fsdp2 = _Issues(lambda c: None)
 
-    def spy_rs(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):  # type: ignore[no-untyped-def]
-        record(input, op, group)
-        return rs(output, input, op=op, group=group, async_op=async_op)
+    def observed(c: Collective) -> None:
+        if c.kind in kinds:
+            numel = c.input_numel if c.kind == "all-gather" else c.numel
+            record(torch.empty(numel, dtype=c.dtype, device="meta"), c.op, c.group)
 
-    def spy_ar(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):  # type: ignore[no-untyped-def]
-        if is_fsdp2_reduce_scatter():
-            record(tensor, op, group)
-        return ar(tensor, op=op, group=group, async_op=async_op)
-
-    exchange = fsdp2_collectives._reduce_scatter_by_exchange
-
-    def spy_exchange(input: torch.Tensor, op: Any, group: dist.ProcessGroup) -> Any:
-        record(input.view(-1), op, group)
-        return exchange(input, op, group)
-
-    straight = fsdp2_collectives.reduce_scatter_grads
-
-    def spy_straight(grads: Any, dtype: torch.dtype, op: Any, group: Any) -> Any:
-        pending = straight(grads, dtype, op, group)
-        if pending is not None:  # the packed input it stands for (else packed and spied)
-            record(torch.empty(2 * pending.output.numel(), dtype=dtype, device="meta"), op, group)
-        return pending
-
+    fsdp2.on_collective = observed
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(dist, RS_API, spy_rs))
-        stack.enter_context(mock.patch.object(dist, "all_reduce", spy_ar))
-        for name, fn in (
-            ("_reduce_scatter_by_exchange", spy_exchange),
-            ("reduce_scatter_grads", spy_straight),
-        ):
-            stack.enter_context(mock.patch.object(fsdp2_collectives, name, fn))
+        for api in apis:
+            orig = getattr(dist, api)
+            sig = inspect.signature(orig)
+
+            def spied(*args: Any, _orig: Any = orig, _sig: Any = sig, **kwargs: Any) -> Any:
+                if not fsdp2.depth:
+                    bound = _sig.bind(*args, **kwargs).arguments
+                    tensor = next(bound[k] for k in _INPUT_ARG if k in bound)
+                    record(tensor, bound.get("op"), bound.get("group"))
+                return _orig(*args, **kwargs)
+
+            stack.enter_context(mock.patch.object(dist, api, spied))
+        stack.enter_context(HUB.observing(fsdp2))
         yield
 
 
-@contextlib.contextmanager
+def spy_reduce_scatters(
+    record: Callable[[torch.Tensor, Any, dist.ProcessGroup | None], None],
+) -> contextlib.AbstractContextManager[None]:
+    """Call ``record(input, op, group)`` for every reduce-scatter issued in the block: fsdp2's
+    (however carried) and ``dist.reduce_scatter_single`` (``RS_API``: torch's FSDP2)."""
+    return _spy({"reduce-scatter"}, {RS_API}, record)
+
+
 def spy_all_gathers(
     record: Callable[[torch.Tensor, dist.ProcessGroup | None], None],
-) -> Iterator[None]:
-    """Call ``record(input, group)`` for every all-gather issued in the block:
-    ``dist.all_gather_single`` (``AG_API``: torch's FSDP2, fsdp2 off gloo) and fsdp2's sends
-    and receives standing in for it on gloo."""
-    ag = getattr(dist, AG_API)
-
-    def spy_ag(output, input, group=None, async_op=False, **kw):  # type: ignore[no-untyped-def]
-        record(input, group)
-        return ag(output, input, group=group, async_op=async_op, **kw)
-
-    gather = fsdp2_collectives._all_gather_by_exchange
-
-    def spy_gather(output: torch.Tensor, input: torch.Tensor, group: Any) -> Any:
-        record(input, group)
-        return gather(output, input, group)
-
-    into = fsdp2_collectives.all_gather_into
-
-    def spy_into(input: torch.Tensor, sizes: Any, rows: Any, group: Any) -> Any:
-        record(input, group)
-        return into(input, sizes, rows, group)
-
-    with mock.patch.object(dist, AG_API, spy_ag):
-        with mock.patch.object(fsdp2_collectives, "_all_gather_by_exchange", spy_gather):
-            with mock.patch.object(fsdp2_collectives, "all_gather_into", spy_into):
-                yield
+) -> contextlib.AbstractContextManager[None]:
+    """Call ``record(input, group)`` for every all-gather issued in the block: fsdp2's
+    (however carried) and ``dist.all_gather_single`` (``AG_API``: torch's FSDP2)."""
+    return _spy({"all-gather"}, {AG_API}, lambda t, op, group: record(t, group))
 
 
 def count_calls(calls: Sequence[Call], *fields: str) -> dict[tuple[Any, ...], int]:

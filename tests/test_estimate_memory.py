@@ -31,8 +31,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
-from fsdp2._core import labels as _labels
-from fsdp2._core import storage as _storage
+from fsdp2._core.observe import HUB
 from fsdp2.models import Llama, LlamaConfig
 from fsdp2.planning.estimate import PARTS
 
@@ -181,7 +180,7 @@ def test_world_size_beyond_this_machine_shrinks_the_shards() -> None:
     )
     assert hsdp.parts["parameters (sharded)"] == small.parts["parameters (sharded)"]
     assert not dist.is_initialized()  # the fake process group is gone again
-    assert _labels.watch is None and _storage.watch is None
+    assert not HUB.observers  # the tracker unsubscribed
 
 
 def test_a_model_too_big_for_this_machine_allocates_nothing() -> None:
@@ -304,7 +303,7 @@ def test_errors() -> None:
             _DictOut(), torch.empty(2, 4, device="meta"), mesh_shape=2, device="cpu"
         )
     assert not dist.is_initialized()
-    assert _labels.watch is None and _storage.watch is None
+    assert not HUB.observers  # the tracker unsubscribed
 
 
 def test_a_fake_process_group_of_the_users_is_used_and_kept() -> None:

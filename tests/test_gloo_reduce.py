@@ -27,7 +27,7 @@ from models import make_optimizer
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 
 from fsdp2 import MixedPrecisionPolicy
-from fsdp2._core import collectives as C
+from fsdp2._core import collectives, gloo
 
 
 def _rows_equal(dtype: torch.dtype) -> None:
@@ -41,7 +41,7 @@ def _rows_equal(dtype: torch.dtype) -> None:
         dist.reduce_scatter_tensor(want, x.clone(), op=op)
         packed = x.clone().view(ws, -1)
         with CommCounter() as counter:
-            got = C.reduce_scatter(packed, group, op).wait()
+            got = collectives.reduce_scatter([packed], ws, dtype, group, "x", op=op).wait()
         assert [c.kind for c in counter.calls] == ["RS"], counter.calls
         api = "exchange" if ws == 2 else "all_reduce"
         assert counter.calls[0].api == api, f"fsdp2 should use {api} on gloo at {ws} ranks"
@@ -72,9 +72,11 @@ def _gathers_equal() -> None:
                 dist.all_gather_into_tensor(want, x, group=group)
                 wants.append(want.view(size, -1))
             with CommCounter() as counter:
-                pending = [C.all_gather(x, group, size) for x in xs]  # all in flight at once
+                pending = [
+                    collectives.all_gather([x], group, size, "x")[0] for x in xs
+                ]  # all in flight at once
                 got = [p.wait() for p in reversed(pending)][::-1]
-            want_api = ["exchange" if x.nbytes >= C.EXCHANGE_MIN_BYTES else AG_API for x in xs]
+            want_api = ["exchange" if x.nbytes >= gloo.EXCHANGE_MIN_BYTES else AG_API for x in xs]
             assert [(c.kind, c.api) for c in counter.calls] == [("AG", a) for a in want_api]
             assert "exchange" in want_api and AG_API in want_api
             for x, a, b in zip(xs, got, wants, strict=True):

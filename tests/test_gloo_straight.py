@@ -24,7 +24,8 @@ from comm_counter import CommCounter
 from helpers import ENGINES, hsdp_mesh, train_and_compare, world_mesh
 from models import make_optimizer
 
-from fsdp2._core import collectives as C
+from fsdp2._core import collectives, gloo, transport
+from fsdp2._core.collectives import Into
 from fsdp2._core.group import ParamGroup, Sharded
 from fsdp2._core.state import state_of
 
@@ -54,12 +55,14 @@ def _reduce_equal(dtype: torch.dtype) -> None:
     group = dist.group.WORLD
     grads = _grads(dtype)
     for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-        packed = C.pack_for_reduce_scatter(grads, 2, dtype)
+        packed = transport.pack_for_reduce_scatter(grads, 2, dtype)
         want = torch.empty(packed.size(1), dtype=dtype)
         dist.reduce_scatter_tensor(want, packed.view(-1).clone(), op=op)
         before = [x.clone() for x in grads]
+        assert gloo.sends_grads_straight(group, 2, grads[0].device, op)
+        assert gloo.sends_any_straight(grads, dtype)  # so fsdp2's reduce-scatter goes straight
         with CommCounter() as counter:
-            pending = C.reduce_scatter_grads(grads, dtype, op, group)
+            pending = collectives.reduce_scatter(list(grads), 2, dtype, group, "x", op=op)
             assert pending is not None
             got = pending.wait()
         assert [(c.kind, c.api, c.numel) for c in counter.calls] == [
@@ -68,14 +71,18 @@ def _reduce_equal(dtype: torch.dtype) -> None:
         assert torch.equal(got, want), f"{op} {dtype}: differs from gloo's reduce-scatter"
         assert all(torch.equal(a, b) for a, b in zip(grads, before, strict=True)), "grads changed"
     # nothing to send straight: small gradients, or gradients to cast (reduce_dtype)
-    small = [x for x in grads if x.numel() * x.element_size() < 2 * C.DIRECT_MIN_BYTES]
-    assert C.reduce_scatter_grads(small, dtype, dist.ReduceOp.SUM, group) is None
-    assert C.reduce_scatter_grads(grads, torch.float64, dist.ReduceOp.SUM, group) is None
+    small = [x for x in grads if x.numel() * x.element_size() < 2 * gloo.DIRECT_MIN_BYTES]
+    assert gloo.reduce_scatter_grads(small, dtype, dist.ReduceOp.SUM, group) is None
+    assert gloo.reduce_scatter_grads(grads, torch.float64, dist.ReduceOp.SUM, group) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_reduce_scatter_grads_equals_gloo(dtype: torch.dtype) -> None:
     run_on_ranks(2, _reduce_equal, dtype)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _gather_rows_equal() -> None:
@@ -85,8 +92,9 @@ def _gather_rows_equal() -> None:
         size = group.size()
         for dtype in (torch.float32, torch.bfloat16):
             g = torch.Generator().manual_seed(rank)
-            # alone, small ones together (two runs), empty, alone again
-            sizes = [70_000, 3, 5, 0, 7, 40_000, 11]
+            # alone, small ones together (two runs), empty, alone again (>= 256 KiB in all:
+            # fsdp2 all-gathers by exchange, gloo.EXCHANGE_MIN_BYTES)
+            sizes = [140_000, 3, 5, 0, 7, 40_000, 11]
             flats = [(torch.randn(sum(sizes), generator=g) * 100).to(dtype) for _ in range(2)]
             wants = []
             for flat in flats:
@@ -98,8 +106,10 @@ def _gather_rows_equal() -> None:
             ]
             with CommCounter() as counter:  # two in flight, waited out of order
                 pending = [
-                    C.all_gather_into(f, sizes, r, group) for f, r in zip(flats, rows, strict=True)
+                    collectives.all_gather([f], group, size, "x", into=Into(sizes, r, _nothing))[0]
+                    for f, r in zip(flats, rows, strict=True)
                 ]
+                assert all(isinstance(p, gloo.Received) for p in pending)
                 for p in reversed(pending):
                     p.wait()
             assert [(c.kind, c.api) for c in counter.calls] == [("AG", "exchange")] * 2
@@ -116,8 +126,8 @@ def test_all_gather_into_equals_gloo(world_size: int) -> None:
 
 def test_segments() -> None:
     """Pieces of 64 KiB and more are sent alone, smaller neighbours together, empty in none."""
-    big = C.DIRECT_MIN_BYTES // 4  # fp32 elements
-    segs = C._segments((big, 3, 0, 5, big, 7), 4)
+    big = gloo.DIRECT_MIN_BYTES // 4  # fp32 elements
+    segs = gloo._segments((big, 3, 0, 5, big, 7), 4)
     assert segs == ((0, big, (0,)), (big, 8, (1, 3)), (big + 8, big, (4,)), (2 * big + 8, 7, (5,)))
 
 
@@ -188,7 +198,7 @@ def _uneven_parity(variant: str) -> None:
     reshard = ParamGroup._reshard
 
     def spy_reshard(group: ParamGroup, to_small: bool) -> None:
-        if isinstance(group._pending_ag, C.Received):
+        if isinstance(group._pending_ag, gloo.Received):
             cancelled.append(group.path)
         reshard(group, to_small)
 

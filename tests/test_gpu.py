@@ -312,12 +312,12 @@ def test_cpu_offload_with_gradient_accumulation(pin: bool) -> None:
 
 
 def _backend_alloc() -> bool:
-    from fsdp2._core.module import _BackendAlloc
+    from fsdp2._core.transport import BackendAlloc
 
     mesh = one_rank_mesh()
     device = torch.device("cuda", 0)
     group = mesh.get_group()
-    comm = _BackendAlloc.for_group(group, device)
+    comm = BackendAlloc.for_group(group, device)
     if comm is not None:  # NCCL's own allocator: both collectives through its buffers
         x = torch.arange(1000, dtype=torch.float32, device=device)
         out = comm.allocate((1000,), dtype=torch.float32, device=device)

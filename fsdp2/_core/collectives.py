@@ -1,498 +1,188 @@
-"""Flat collectives: stateless functions over tensors and a process group.
+"""Every collective the engine issues goes through one function per kind: ``all_gather``,
+``reduce_scatter`` and ``all_reduce``. Each does, once for every caller (a group, a bucket of
+groups, a released parameter gathered again, a ``reshard_after_forward=int`` copy), the
+copy-in under its profiler label, the observers' ``collective`` event (the debug mode's
+cross-rank check, the tests' counter: [Note: observation] in observe.py), the issue under
+its label, and the choice of transport: c10d's collective, a custom comm
+(``set_custom_all_gather`` / ``set_custom_reduce_scatter``), or gloo's exchanges (gloo.py).
 
-No module knowledge here; the param group decides when to call them. Every
-collective is issued with ``async_op=True`` and returns the ``Work`` to wait
-on; on CUDA, c10d runs it on the process group's own stream and ``wait()``
-orders the current stream after it, so the host never blocks.
+Stateless: values in, ``Pending`` out. Every collective is issued with ``async_op=True``; on
+CUDA, c10d runs it on the process group's own stream and ``wait()`` orders the current
+stream after it, so the host never blocks.
 """
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from fsdp2._core import compat as _compat
-from fsdp2.api import AllGather, Comm, ReduceScatter
+from fsdp2._core import compat, gloo
+from fsdp2._core.labels import label
+from fsdp2._core.observe import HUB, Collective
+from fsdp2._core.transport import Pending, SharedWork, empty_buffer, pack_for_reduce_scatter
+from fsdp2.api import AllGather, ReduceScatter
+
+__all__ = ["DividePlan", "Into", "all_gather", "all_reduce", "divide_plan", "reduce_scatter"]
+
+What = str | Callable[[], str]  # a label's text, or a function building it (called only if shown)
 
 
-class SharedWork:
-    """One collective's work shared by several ``Pending`` (the groups of a bucket):
-    the first ``wait`` waits, the others return at once."""
-
-    __slots__ = ("work",)
-
-    def __init__(self, work: dist.Work | SharedWork | None) -> None:
-        self.work = work
-
-    def wait(self) -> None:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
+def _text(what: What) -> str:
+    return what() if callable(what) else what
 
 
-class Pending(NamedTuple):
-    """A collective in flight: ``output`` is valid once ``work`` is waited.
+class Into(NamedTuple):
+    """A plain group's unsharded rows (``rows[r][i]``: rank ``r``'s piece ``i`` of ``sizes``):
+    an all-gather by gloo exchange lands straight in them ([Note: gloo straight in and
+    out] in gloo.py) after ``prepare()`` gave them their storage."""
 
-    ``input`` is held until then so its memory is not reused while the
-    collective may still read it (on CUDA the collective runs on another stream).
-    """
-
-    output: torch.Tensor
-    work: dist.Work | SharedWork | None
-    input: torch.Tensor | None = None
-    copy: bool = False  # ``output`` is a view into ``input``: return a copy of it
-    own_row: int = -1  # an all-gather's row of ``output`` still only in ``input``
-
-    def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            self.work.wait()
-        if self.own_row >= 0:
-            assert self.input is not None
-            self.output[self.own_row].copy_(self.input)
-        return self.output.clone() if self.copy else self.output
-
-    def wait_rows(self) -> list[torch.Tensor]:
-        """An all-gather's rows once done, this rank's own straight from its input: the
-        caller copies them out without the copy into ``output`` first."""
-        if self.work is not None:
-            self.work.wait()
-        rows = list(self.output.unbind(0))
-        if self.own_row >= 0:
-            assert self.input is not None
-            rows[self.own_row] = self.input
-        return rows
-
-
-def _empty(numel: int, like: torch.Tensor, dtype: torch.dtype, comm: Comm | None) -> torch.Tensor:
-    if comm is None:
-        return torch.empty(numel, dtype=dtype, device=like.device)
-    return comm.allocate((numel,), dtype=dtype, device=like.device)
+    sizes: list[int]
+    rows: list[list[torch.Tensor]]
+    prepare: Callable[[], None]
 
 
 def all_gather(
-    input: torch.Tensor,
+    inputs: list[torch.Tensor] | Callable[[], list[torch.Tensor]],
     group: dist.ProcessGroup,
-    world_size: int,
+    world: int,
+    what: What,
+    *,
     comm: AllGather | None = None,
-) -> Pending:
-    """All-gather a flat 1D ``input`` into a ``(world_size, numel)`` rank-major output."""
-    if world_size == 1:
-        return Pending(input.view(1, -1), None)
-    output = _empty(world_size * input.numel(), input, input.dtype, comm)
-    if comm is None and _by_exchange(input, group):
-        return _all_gather_by_exchange(output.view(world_size, -1), input, group)
-    if comm is None:
-        work = _compat.all_gather_single(output, input, group, async_op=True)
-    else:
-        work = comm(output, input, group, async_op=True)
-    return Pending(output.view(world_size, -1), work, input)
-
-
-def all_gather_bucket(
-    inputs: list[torch.Tensor], group: dist.ProcessGroup, world_size: int
-) -> list[Pending]:
-    """All-gather several flat 1D inputs in ONE collective (of their concatenation). One
-    ``Pending`` per input, whose output is its ``(world_size, numel)`` columns of the
-    shared output; the whole output stays alive until every one of them is dropped."""
-    flat = torch.cat(inputs)
-    whole = all_gather(flat, group, world_size)
-    work = SharedWork(whole.work)
-    pendings, start = [], 0
+    into: Into | None = None,
+) -> list[Pending | gloo.Received]:
+    """All-gather flat 1D inputs in ONE collective (of their concatenation when several: a
+    bucket). ``inputs`` may be a function making them (the copy-in, labelled). Returns one
+    result per input: a ``Pending`` whose output is its ``(world, numel)`` rank-major
+    columns (the whole output stays alive until every one is dropped), or, when ``into``
+    is given and the all-gather goes by gloo exchange, a ``gloo.Received`` filling
+    ``into``'s rows."""
+    if callable(inputs):
+        with label("copy_in", what):
+            inputs = inputs()
+    if world == 1:
+        return [Pending(x.view(1, -1), None) for x in inputs]
+    numel = sum(x.numel() for x in inputs)
+    dtype, device = inputs[0].dtype, inputs[0].device
+    exchange = comm is None and gloo.by_exchange(numel * dtype.itemsize, group, device)
+    if HUB.observers:
+        transport = "custom" if comm is not None else "exchange" if exchange else compat.AG_API
+        c = Collective(
+            "all-gather", _text(what), world * numel, numel, dtype, group, world, transport
+        )
+        HUB.collective(c)
+    with label("all_gather issue", what):
+        if into is not None and exchange and len(inputs) == 1:
+            into.prepare()
+            return [gloo.all_gather_into(inputs[0], into.sizes, into.rows, group)]
+        flat = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
+        output = empty_buffer(world * numel, flat, dtype, comm).view(world, numel)
+        if exchange:
+            whole = gloo.all_gather_by_exchange(output, flat, group)
+        else:
+            if comm is None:
+                work = compat.all_gather_single(output.view(-1), flat, group, async_op=True)
+            else:
+                work = comm(output.view(-1), flat, group, async_op=True)
+            whole = Pending(output, work, flat)
+    if len(inputs) == 1:
+        return [whole]
+    shared = SharedWork(whole.work)
+    pendings: list[Pending | gloo.Received] = []
+    start = 0
     for x in inputs:
         n = x.numel()
         own = flat.narrow(0, start, n)  # holds ``flat`` too
-        pendings.append(Pending(whole.output.narrow(1, start, n), work, own, own_row=whole.own_row))
+        out = whole.output.narrow(1, start, n)
+        pendings.append(Pending(out, shared, own, own_row=whole.own_row))
         start += n
     return pendings
 
 
-def copy_out(output: torch.Tensor, split_sizes: list[int], dsts: list[torch.Tensor]) -> None:
-    """Scatter a rank-major all-gather output into per-parameter ``(world, padded)`` views
-    (or one row of it into the parameters' ``(padded,)`` rows)."""
-    torch.split_with_sizes_copy(output, split_sizes, dim=-1, out=dsts)
-
-
-def pack_for_reduce_scatter(
-    grads: list[torch.Tensor],
-    world_size: int,
-    dtype: torch.dtype,
-    comm: ReduceScatter | None = None,
-) -> torch.Tensor:
-    """Pack unsharded gradients rank-major, each padded to ``ceil(dim0 / world)`` rows:
-    row ``r`` of the result is what rank ``r`` receives after the reduce-scatter."""
-    numel = sum(-(-g.size(0) // world_size) * (g.numel() // max(g.size(0), 1)) for g in grads)
-    out = _empty(world_size * numel, grads[0], dtype, comm).view(world_size, numel)
-    # _chunk_cat casts into ``out``: no cast copy of the gradients (bf16 gradients reduced
-    # in fp32 would otherwise hold an fp32 copy next to the packed buffer)
-    grads = [g for g in grads if g.numel()]
-    if grads:  # empty parameters take no room (and _chunk_cat rejects them)
-        torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=out)
-    return out
-
-
 def reduce_scatter(
-    input: torch.Tensor,
+    grads: list[torch.Tensor],
+    world: int,
+    dtype: torch.dtype,
     group: dist.ProcessGroup,
+    what: What,
+    *,
     op: Any,
+    pre: float | None = None,
     comm: ReduceScatter | None = None,
 ) -> Pending:
+    """Reduce-scatter unsharded gradients (each split on dim 0 into ``world`` slices of
+    ``ceil(dim0 / world)`` rows) in ONE collective: packed rank-major in ``dtype`` and
+    divided by ``pre`` first if given; each rank gets its slice of every gradient, back to
+    back. On 2 gloo ranks large gradients are sent straight instead of packed ([Note:
+    gloo straight in and out]); on more gloo ranks an all-reduce stands for it ([Note:
+    gloo reduce-scatter]). Once packed, ``grads`` is emptied (the caller's list too), so
+    the gradients can be freed before the collective's own buffers are allocated."""
+    device = grads[0].device
+    numel = sum(-(-g.size(0) // world) * (g.numel() // max(g.size(0), 1)) for g in grads) * world
+    on_gloo = comm is None and gloo.is_gloo(group, device)
+    straight = (
+        on_gloo
+        and pre is None
+        and gloo.sends_grads_straight(group, world, device, op)
+        and gloo.sends_any_straight(grads, dtype)
+    )
+    if HUB.observers and world > 1:
+        if comm is not None:
+            transport = "custom"
+        elif on_gloo:
+            two = world == 2 and op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
+            transport = "exchange" if two else "all_reduce"
+        else:
+            transport = compat.RS_API
+        c = Collective(
+            "reduce-scatter", _text(what), numel, numel, dtype, group, world, transport, op
+        )
+        HUB.collective(c)
+    if straight:
+        with label("reduce_scatter issue", what):
+            pending = gloo.reduce_scatter_grads(grads, dtype, op, group)
+        if pending is not None:
+            return pending
+    with label("reduce_scatter pack", what):
+        packed = pack_for_reduce_scatter(grads, world, dtype, comm)
+        grads.clear()  # the caller's list too: the gradients may go before the issue
+        if pre is not None:
+            packed.div_(pre)
+    with label("reduce_scatter issue", what):
+        return _reduce_scatter_packed(packed, group, op, comm)
+
+
+def _reduce_scatter_packed(
+    input: torch.Tensor, group: dist.ProcessGroup, op: Any, comm: ReduceScatter | None
+) -> Pending:
     """Reduce-scatter a ``(world, numel)`` input; each rank gets ``numel`` elements."""
-    world_size = input.size(0)
-    if world_size == 1:
+    world = input.size(0)
+    if world == 1:
         return Pending(input.view(-1), None)
-    if comm is None and _is_gloo(group, input.device):
-        if world_size == 2 and op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            return _reduce_scatter_by_exchange(input, op, group)
-        work = _reduce_scatter_by_all_reduce(input.view(-1), op, group)
+    if comm is None and gloo.is_gloo(group, input.device):
+        if world == 2 and op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            return gloo.reduce_scatter_by_exchange(input, op, group)
+        work = gloo.reduce_scatter_by_all_reduce(input.view(-1), op, group)
         return Pending(input[group.rank()], work, input, copy=True)
-    output = _empty(input.size(1), input, input.dtype, comm)
+    output = empty_buffer(input.size(1), input, input.dtype, comm)
     if comm is None:
-        work = _compat.reduce_scatter_single(output, input.view(-1), op, group, async_op=True)
+        work = compat.reduce_scatter_single(output, input.view(-1), op, group, async_op=True)
     else:
         work = comm(output, input.view(-1), group, op, async_op=True)
     return Pending(output, work, input)
 
 
-# [Note: gloo all-gather]
-# gloo's all_gather_single gathers into a temporary as large as the output and copies it
-# out, blocking the calling thread for part of it: 12 MiB on 2 ranks here took 14-17 ms,
-# against 4-5 ms for sending the input to the peer and receiving the peer's straight into
-# its row of the output (4 ranks on 2 cores: 23-63 ms against 10-12 ms). An all-gather is
-# copies only, so this is bitwise gloo's result at any world size, without the temporary
-# (an output's worth of memory while the all-gather is in flight). Each rank posts all its
-# sends and receives at once; gloo matches a pair's messages of one tag in the order they
-# were posted, and every rank issues fsdp2's all-gathers in the same order (as for any
-# collective). This rank's own row is not copied into the output at issue: ``Pending.wait``
-# fills it, and a plain group copies its parameters' rows out of its shard directly
-# (``Pending.wait_rows``: one copy instead of two). Below 256 KiB per rank gloo's own
-# all-gather is used: with many tiny groups (benchmarks/overhead.py, 1 KiB each) sends and
-# receives made the step 6-16% slower, while from 256 KiB up they are faster (measured in a
-# prefetch pattern: 256 KiB 0.34 vs 0.51 ms, 4 MiB 2.8 vs 3.7 ms). Custom all-gathers
-# (``set_custom_all_gather``) are called as they are.
-
-# [Note: gloo reduce-scatter]
-# gloo's reduce_scatter_tensor costs about twice an all-reduce of the same input, and
-# blocks the calling thread for part of it: 12 MiB on 2 ranks here took 13-19 ms, against
-# 9-11 ms for all_reduce and 5-6 ms for one send plus one receive of the peer's half
-# (the add included). So on gloo fsdp2 reduce-scatters by its own means:
-# - 2 ranks: each rank sends the peer its row and receives the peer's row of its own,
-#   then adds its own row into the received one (``_Exchange``). a + b is the same bits
-#   in either order, so this is bitwise gloo's result (SUM; AVG divides by 2, exact).
-# - more ranks: an in-place all-reduce of the packed input, then a copy of this rank's
-#   row (the copy lets the packed buffer go: gradients must not keep every rank's rows
-#   alive). gloo's all-reduce rows are bitwise its reduce-scatter's; a sum of our own
-#   over more than two ranks would not be (the order differs).
-# tests/test_gloo_reduce.py holds both at 2 and 4 ranks, SUM and AVG, fp32 and bf16.
-# The exchange's sends carry their own tag, apart from users' point-to-point traffic.
-# Custom reduce-scatters (``set_custom_reduce_scatter``) are called as they are.
-
-
-def _is_gloo(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether collectives on ``device`` tensors over ``group`` run on gloo."""
-    return device.type == "cpu" and "gloo" in str(dist.get_backend(group))
-
-
-EXCHANGE_MIN_BYTES = 256 * 1024  # see [Note: gloo all-gather]
-
-
-def _by_exchange(input: torch.Tensor, group: dist.ProcessGroup) -> bool:
-    """Whether to all-gather ``input`` over ``group`` by sends and receives."""
-    big = input.numel() * input.element_size() >= EXCHANGE_MIN_BYTES
-    return big and _is_gloo(group, input.device)
-
-
-class _Exchange:
-    """Two ranks' reduce-scatter by one send and one receive: ``wait`` adds this rank's own
-    row to the row received from the peer (in place) once both are done."""
-
-    __slots__ = ("works", "recv", "own", "avg")
-
-    def __init__(self, works: list[Any], recv: torch.Tensor, own: torch.Tensor, avg: bool) -> None:
-        self.works, self.recv, self.own, self.avg = works, recv, own, avg
-
-    def wait(self) -> None:
-        if not self.works:
-            return
-        for w in self.works:
-            w.wait()
-        self.works = []
-        self.recv.add_(self.own)  # a + b: the same bits in either order
-        if self.avg:
-            self.recv.div_(2)
-        self.own = self.recv  # drop the packed input
-
-
-_EXCHANGE_TAG = 0x46534450  # p2p tags of fsdp2's exchanges (apart from users' own sends)
-_GATHER_TAG = 0x46534447
-
-
-class _Works:
-    """Several point-to-point works waited as one."""
-
-    __slots__ = ("works",)
-
-    def __init__(self, works: list[Any]) -> None:
-        self.works = works
-
-    def wait(self) -> None:
-        for w in self.works:
-            w.wait()
-        self.works = []
-
-
-def _all_gather_by_exchange(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
-) -> Pending:
-    """All-gather into the ``(world, numel)`` ``output`` by sending ``input`` to every peer
-    and receiving each peer's straight into its row (see [Note: gloo all-gather]). This
-    rank's own row is left to ``Pending.wait`` (or read from ``input`` by ``wait_rows``)."""
-    me, world = group.rank(), output.size(0)
-    works = []
-    for k in range(1, world):
-        dst, src = (me + k) % world, (me - k) % world
-        works.append(dist.isend(input, group=group, group_dst=dst, tag=_GATHER_TAG))
-        works.append(dist.irecv(output[src], group=group, group_src=src, tag=_GATHER_TAG))
-    return Pending(output, _Works(works), input, own_row=me)  # type: ignore[arg-type]
-
-
-# [Note: gloo straight in and out]
-# A plain group's all-gather by exchange can skip the rank-major output altogether: the
-# unsharded parameters already have one buffer each, whose rank-``r`` row is rank ``r``'s
-# slice of that parameter (its piece of the flat shard). So ``all_gather_into`` sends the
-# shard piece by piece and receives each peer's pieces straight into those rows; nothing
-# is copied out but this rank's own row (from its shard). Likewise a 2-rank reduce-scatter
-# (``reduce_scatter_grads``) sends each gradient's rows that belong to the peer straight
-# from the gradient and receives the peer's rows of this rank's slice straight into the
-# reduced output, then adds its own rows from the gradients: no packed input. A message
-# costs about 30 us to post here, as much as copying 64 KiB, so pieces under
-# ``DIRECT_MIN_BYTES`` go the old way: neighbouring small pieces of an all-gather in one
-# message received into a staging buffer and copied out; a reduce-scatter's small
-# gradients packed rank-major as before, in one message. The bits are the same as the
-# packed path's: copies, and the same a + b per element. On the benchmark Llama this takes
-# the all-gather copy-out and the reduce-scatter packing (about 240 MiB of copies per rank
-# per step) off the step's thread; see docs/benchmarks.md.
-
-DIRECT_MIN_BYTES = 64 * 1024
-
-
-@functools.lru_cache(maxsize=256)
-def _segments(
-    sizes: tuple[int, ...], itemsize: int
-) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
-    """The messages that carry pieces ``sizes`` (back to back in one flat tensor):
-    ``(start, numel, pieces)``, each piece of at least ``DIRECT_MIN_BYTES`` alone, runs of
-    smaller neighbours together, empty pieces in none."""
-    segs: list[tuple[int, int, tuple[int, ...]]] = []
-    run: list[int] = []
-    start = off = 0
-    for i, n in enumerate(sizes):
-        if n * itemsize >= DIRECT_MIN_BYTES:
-            if run:
-                segs.append((start, off - start, tuple(run)))
-                run = []
-            segs.append((off, n, (i,)))
-        elif n:
-            if not run:
-                start = off
-            run.append(i)
-        off += n
-    if run:
-        segs.append((start, off - start, tuple(run)))
-    return tuple(segs)
-
-
-class Received:
-    """An all-gather received straight into per-parameter rows (``all_gather_into``):
-    ``wait`` finishes the receives, copies the staged small pieces out and this rank's own
-    row from its shard."""
-
-    __slots__ = ("works", "staged", "own")
-
-    def __init__(
-        self,
-        works: list[Any],
-        staged: list[tuple[torch.Tensor, list[int], list[torch.Tensor]]],
-        own: tuple[torch.Tensor, list[int], list[torch.Tensor]] | None,
-    ) -> None:
-        self.works, self.staged, self.own = works, staged, own
-
-    def wait_works(self) -> None:
-        for w in self.works:
-            w.wait()
-        self.works = []
-
-    def fill(self) -> None:
-        """Copy what did not arrive in place (staged pieces, this rank's own row)."""
-        for buf, sizes, dsts in self.staged:
-            torch.split_with_sizes_copy(buf, sizes, out=dsts)
-        self.staged = []
-        if self.own is not None:
-            src, sizes, dsts = self.own
-            torch.split_with_sizes_copy(src, sizes, out=dsts)
-            self.own = None
-
-    def wait(self) -> None:
-        self.wait_works()
-        self.fill()
-
-
-def all_gather_into(
-    input: torch.Tensor, sizes: list[int], rows: list[list[torch.Tensor]], group: dist.ProcessGroup
-) -> Received:
-    """All-gather the flat ``input`` (pieces of ``sizes``, back to back) into
-    ``rows[r][i]``: rank ``r``'s piece ``i`` (each ``(sizes[i],)``, allocated), by sends and
-    receives (see [Note: gloo straight in and out])."""
-    me, world = group.rank(), len(rows)
-    segs = _segments(tuple(sizes), input.element_size())
-    works: list[Any] = []
-    staged: list[tuple[torch.Tensor, list[int], list[torch.Tensor]]] = []
-    for k in range(1, world):
-        dst, src = (me + k) % world, (me - k) % world
-        for start, n, idx in segs:
-            piece = input.narrow(0, start, n)
-            works.append(dist.isend(piece, group=group, group_dst=dst, tag=_GATHER_TAG))
-            if len(idx) == 1:
-                into = rows[src][idx[0]]
-            else:
-                into = torch.empty(n, dtype=input.dtype, device=input.device)
-                staged.append((into, [sizes[i] for i in idx], [rows[src][i] for i in idx]))
-            works.append(dist.irecv(into, group=group, group_src=src, tag=_GATHER_TAG))
-    return Received(works, staged, (input, sizes, rows[me]))
-
-
-class _ExchangeGrads:
-    """``reduce_scatter_grads``'s work: ``wait`` adds this rank's own rows (from the
-    gradients, and from the packed small ones) into what the peer sent, in place."""
-
-    __slots__ = ("works", "dsts", "owns", "small", "avg", "output")
-
-    def __init__(
-        self,
-        works: list[Any] | None,
-        dsts: list[torch.Tensor],
-        owns: list[torch.Tensor],
-        small: tuple[torch.Tensor, torch.Tensor, list[int], list[torch.Tensor]] | None,
-        avg: bool,
-        output: torch.Tensor,
-    ) -> None:
-        self.works, self.dsts, self.owns, self.small, self.avg = works, dsts, owns, small, avg
-        self.output = output
-
-    def wait(self) -> None:
-        if self.works is None:  # done
-            return
-        for w in self.works:
-            w.wait()
-        self.works = None
-        if self.dsts:
-            torch._foreach_add_(self.dsts, self.owns)  # a + b: the same bits in either order
-        if self.small is not None:
-            recv, own, sizes, dsts = self.small
-            recv.add_(own)
-            torch.split_with_sizes_copy(recv, sizes, out=dsts)
-        if self.avg:
-            self.output.div_(2)
-        self.dsts, self.owns, self.small = [], [], None  # let the gradients go
-
-
-def sends_grads_straight(
-    group: dist.ProcessGroup, world_size: int, device: torch.device, op: Any
-) -> bool:
-    """Whether a reduce-scatter over ``group`` may go by ``reduce_scatter_grads``."""
-    sum_or_avg = op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
-    return world_size == 2 and sum_or_avg and _is_gloo(group, device)
-
-
-def _straight(grad: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether ``grad``'s rows go straight from it (``reduce_scatter_grads``), not packed."""
-    if grad.dtype != dtype or grad.dim() == 0 or not grad.is_contiguous():
-        return False
-    half = -(-grad.size(0) // 2)
-    return half * (grad.numel() // max(grad.size(0), 1)) * grad.element_size() >= DIRECT_MIN_BYTES
-
-
-def sends_any_straight(grads: list[torch.Tensor], dtype: torch.dtype) -> bool:
-    """Whether ``reduce_scatter_grads`` would send any of ``grads`` straight (else it
-    returns ``None``)."""
-    return any(_straight(g, dtype) for g in grads)
-
-
-def reduce_scatter_grads(
-    grads: list[torch.Tensor], dtype: torch.dtype, op: Any, group: dist.ProcessGroup
-) -> Pending | None:
-    """Two ranks' reduce-scatter of unsharded gradients (each split on dim 0 into two
-    slices of ``ceil(dim0 / 2)`` rows): each contiguous gradient of ``dtype`` with a slice
-    of at least ``DIRECT_MIN_BYTES`` sends the peer's rows straight from itself, the rest
-    are packed rank-major into one message (see [Note: gloo straight in and out]). The
-    output is what ``pack_for_reduce_scatter`` + ``reduce_scatter`` give, bit for bit.
-    ``None`` when no gradient is large enough (the caller packs them all)."""
-    me = group.rank()
-    peer = 1 - me
-    # per gradient: its offset in the output, its slice's numel (rank r's rows start at
-    # r * slice), the numel of this rank's rows and of the peer's (fewer when padded)
-    plan = []
-    numel = 0
-    for g in grads:
-        rows = g.size(0)
-        inner = g.numel() // max(rows, 1)
-        half = -(-rows // 2)
-        mine = max(0, min(rows, (me + 1) * half) - me * half) * inner
-        theirs = max(0, min(rows, (peer + 1) * half) - peer * half) * inner
-        plan.append((g, numel, half * inner, mine, theirs, _straight(g, dtype)))
-        numel += half * inner
-    if not any(p[-1] for p in plan):
-        return None
-    out = torch.empty(numel, dtype=dtype, device=grads[0].device)
-    works: list[Any] = []
-    dsts, owns, small_grads, small_dsts, small_sizes = [], [], [], [], []
-    for g, off, piece, mine, theirs, straight in plan:
-        if not straight:
-            if piece:
-                small_grads.append(g)
-                small_dsts.append(out.narrow(0, off, piece))
-                small_sizes.append(piece)
-            continue
-        flat = g.view(-1)
-        if theirs:
-            send = flat.narrow(0, peer * piece, theirs)
-            works.append(dist.isend(send, group=group, group_dst=peer, tag=_EXCHANGE_TAG))
-        if mine:
-            dst = out.narrow(0, off, mine)
-            works.append(dist.irecv(dst, group=group, group_src=peer, tag=_EXCHANGE_TAG))
-            dsts.append(dst)
-            owns.append(flat.narrow(0, me * piece, mine))
-        if mine < piece:  # padding rows: zeros, as the packed path's
-            out.narrow(0, off + mine, piece - mine).zero_()
-    small = None
-    if small_grads:
-        packed = pack_for_reduce_scatter(small_grads, 2, dtype)
-        recv = torch.empty_like(packed[me])
-        works.append(dist.isend(packed[peer], group=group, group_dst=peer, tag=_EXCHANGE_TAG))
-        works.append(dist.irecv(recv, group=group, group_src=peer, tag=_EXCHANGE_TAG))
-        small = (recv, packed[me], small_sizes, small_dsts)
-    work = _ExchangeGrads(works, dsts, owns, small, op == dist.ReduceOp.AVG, out)
-    return Pending(out, work)  # type: ignore[arg-type]
-
-
-def _reduce_scatter_by_exchange(input: torch.Tensor, op: Any, group: dist.ProcessGroup) -> Pending:
-    me = group.rank()
-    peer = 1 - me
-    recv = torch.empty_like(input[me])
-    works = [
-        dist.isend(input[peer], group=group, group_dst=peer, tag=_EXCHANGE_TAG),
-        dist.irecv(recv, group=group, group_src=peer, tag=_EXCHANGE_TAG),
-    ]
-    work = _Exchange(works, recv, input[me], op == dist.ReduceOp.AVG)
-    return Pending(recv, work, input)  # type: ignore[arg-type]
-
-
-def _reduce_scatter_by_all_reduce(input: torch.Tensor, op: Any, group: dist.ProcessGroup) -> Any:
-    # A function of its own: tests tell this all-reduce from others by its code object
-    # (tests/comm_counter.py counts it as a reduce-scatter).
-    return dist.all_reduce(input, op=op, group=group, async_op=True)
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, what: What, *, op: Any) -> Pending:
+    """All-reduce ``tensor`` in place."""
+    if HUB.observers:
+        n, size = tensor.numel(), group.size()
+        HUB.collective(
+            Collective("all-reduce", _text(what), n, n, tensor.dtype, group, size, "all_reduce", op)
+        )
+    with label("all_reduce issue", what):
+        return Pending(tensor, dist.all_reduce(tensor, op=op, group=group, async_op=True))
 
 
 class DividePlan(NamedTuple):
@@ -535,8 +225,3 @@ def divide_plan(
         pre *= 2
     post = total / pre
     return DividePlan(pre if pre != 1 else None, post if post != 1 else None, SUM, SUM)
-
-
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: Any) -> Pending:
-    """All-reduce ``tensor`` in place."""
-    return Pending(tensor, dist.all_reduce(tensor, op=op, group=group, async_op=True))

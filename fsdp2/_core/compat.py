@@ -29,8 +29,10 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "AG_API",
     "MAX_TESTED_TORCH",
     "MIN_TORCH",
+    "RS_API",
     "TORCH_VERSION",
     "all_gather_single",
     "reduce_scatter_single",
@@ -64,6 +66,13 @@ def require_torch(version: tuple[int, int], what: str) -> None:
             f"{what} needs torch >= {version[0]}.{version[1]}; this is torch "
             f"{torch.__version__}. Upgrade torch or do without it."
         )
+
+
+# The names of the single-tensor collectives this torch has (what observers are told).
+AG_API = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+RS_API = (
+    "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+)
 
 
 def all_gather_single(

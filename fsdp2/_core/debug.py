@@ -16,6 +16,8 @@
 # tool only; off, it is one attribute read per collective.
 # The step counts root forwards of every fsdp2 root in the process; the phase is the
 # last step boundary seen. Both are the same on every rank that runs the same program.
+# The checker is an observer ([Note: observation] in observe.py), subscribed while the
+# debug mode is on: its ``collective`` runs before the engine issues each collective.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
-import torch
 import torch.distributed as dist
 
-__all__ = ["check", "is_debug", "note_phase", "set_debug"]
+from fsdp2._core.observe import HUB, Collective, Observer
+
+__all__ = ["is_debug", "set_debug"]
 
 _HINT = (
     "Did the ranks run different numbers of micro-batches or steps, skip a module on some "
@@ -50,7 +54,32 @@ def _from_env() -> _Debug:
     return _Debug(enabled, float(os.environ.get("FSDP2_DEBUG_TIMEOUT", "60")))
 
 
+class _Checker(Observer):
+    """The debug mode's observer: counts steps, follows phases, checks collectives."""
+
+    def __init__(self, state: _Debug) -> None:
+        self.state = state
+        self.unsubscribe: Any = None
+
+    def step_phase(self, name: str, new_step: bool) -> None:
+        if new_step:
+            self.state.step += 1
+        self.state.phase = name
+
+    def collective(self, c: Collective) -> None:
+        _check(c.kind, c.what, c.numel, str(c.dtype), c.group)
+
+    def turn(self, on: bool) -> None:
+        if on and self.unsubscribe is None:
+            self.unsubscribe = HUB.subscribe(self)
+        elif not on and self.unsubscribe is not None:
+            self.unsubscribe()
+            self.unsubscribe = None
+
+
 _STATE = _from_env()
+_CHECKER = _Checker(_STATE)
+_CHECKER.turn(_STATE.enabled)
 
 
 def set_debug(enabled: bool = True, *, timeout: float | None = None) -> None:
@@ -76,6 +105,7 @@ def set_debug(enabled: bool = True, *, timeout: float | None = None) -> None:
     _STATE.seq.clear()
     _STATE.step = 0
     _STATE.session += 1
+    _CHECKER.turn(_STATE.enabled)
 
 
 def is_debug() -> bool:
@@ -83,21 +113,9 @@ def is_debug() -> bool:
     return _STATE.enabled
 
 
-def note_phase(phase: str, new_step: bool = False) -> None:
-    """A step boundary (called by the step layer): the phase collectives are issued in."""
-    if new_step:
-        _STATE.step += 1
-    _STATE.phase = phase
-
-
-def check(op: str, what: str, numel: int, dtype: torch.dtype, group: dist.ProcessGroup) -> None:
-    """In debug mode: agree with the other ranks of ``group`` on the collective about to be
-    issued, or raise (see [Note: debug checks]). Nothing otherwise."""
-    if _STATE.enabled:
-        _check(op, what, numel, dtype, group)
-
-
-def _check(op: str, what: str, numel: int, dtype: torch.dtype, group: dist.ProcessGroup) -> None:
+def _check(op: str, what: str, numel: int, dtype: str, group: dist.ProcessGroup) -> None:
+    """Agree with the other ranks of ``group`` on the collective about to be issued, or
+    raise (see [Note: debug checks])."""
     ranks = dist.get_process_group_ranks(group)
     if len(ranks) == 1:
         return
@@ -105,7 +123,7 @@ def _check(op: str, what: str, numel: int, dtype: torch.dtype, group: dist.Proce
     me, name = dist.get_rank(), group.group_name
     seq = _STATE.seq.get(name, 0)
     _STATE.seq[name] = seq + 1
-    dtype_name = str(dtype).removeprefix("torch.")
+    dtype_name = dtype.removeprefix("torch.")
     desc = (
         f"{op} of {what} ({numel:,} elements, {dtype_name}) in the {_STATE.phase} of step "
         f"{_STATE.step}"

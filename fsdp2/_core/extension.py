@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -48,8 +48,26 @@ from fsdp2._core.storage import alloc_storage as _alloc
 from fsdp2._core.storage import free_storage as _free
 
 if TYPE_CHECKING:
-    from fsdp2._core.group import ParamGroup
-    from fsdp2._core.param import FSDPParam
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    from fsdp2.api import MixedPrecisionPolicy
+
+
+class ExtParam(Protocol):
+    """What an extension reads of its parameter (param.py's ``FSDPParam``)."""
+
+    fqn: str
+    sharded: DTensor
+    unsharded: torch.Tensor | None
+    shape: torch.Size
+    stride: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    owners: list[tuple[nn.Module, str]]
+    requires_grad: bool
+
+    def wrap_unsharded(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
 
 _PLAIN_TORCH_FUNCTION = {
     torch.Tensor.__torch_function__.__func__,  # type: ignore[attr-defined]
@@ -57,7 +75,7 @@ _PLAIN_TORCH_FUNCTION = {
     torch._C._disabled_torch_function_impl,
 }
 _PLAIN_TORCH_DISPATCH = torch.Tensor.__torch_dispatch__
-_ALIGN = 16  # bytes per rank of a packed all-gather input: keeps typed views of it legal
+ALIGN = 16  # bytes per rank of a packed all-gather input: keeps typed views of it legal
 
 
 def _func(attr: Any) -> Any:
@@ -156,29 +174,35 @@ class Extension:
         (``to_empty``, ``.to``, ``assign=True`` replaced it)."""
         return self.source is not None and self.source != (local.device, local.dtype)
 
-    def inputs(self, p: FSDPParam, group: ParamGroup) -> list[torch.Tensor]:
-        """Run ``fsdp_pre_all_gather`` on ``p``'s local shard; return its inputs as
-        flat uint8 pieces (zero bytes appended where dim 0 needs padding)."""
+    def inputs(
+        self,
+        p: ExtParam,
+        world: int,
+        device: torch.device,
+        mesh: DeviceMesh,
+        mp_policy: MixedPrecisionPolicy,
+        owner: str,
+    ) -> list[torch.Tensor]:
+        """Run ``fsdp_pre_all_gather`` on ``p``'s local shard (sharded over ``world`` ranks of
+        ``mesh``'s shard dim, gathered on ``device``); return its inputs as flat uint8 pieces
+        (zero bytes appended where dim 0 needs padding)."""
         local = p.sharded._local_tensor
         if self.source is None:
             self.source = (local.device, local.dtype)
-        if local.device != group.device:  # CPU offload: the hook runs on the device
-            local = local.to(group.device, non_blocking=True)
-        mesh = group.shard_mesh()
+        if local.device != device:  # CPU offload: the hook runs on the device
+            local = local.to(device, non_blocking=True)
         if self.plain:
-            dtype = group.mp_policy.param_dtype
+            dtype = mp_policy.param_dtype
             if dtype is not None and local.is_floating_point() and local.dtype != dtype:
                 local = local.to(dtype)  # mixed precision gathers in param_dtype, as torch
             inputs: tuple[torch.Tensor, ...] = (local,)
         else:
             pre = getattr(local, "fsdp_pre_all_gather")  # noqa: B009 - a subclass's hook
             if self.new_api:
-                inputs, self.metadata = pre(
-                    mesh, p.shape, p.stride, p.owners[0][0], group.mp_policy
-                )
+                inputs, self.metadata = pre(mesh, p.shape, p.stride, p.owners[0][0], mp_policy)
             else:
                 inputs, self.metadata = pre(mesh)
-        rows, padded = p.local_shape[0], -(-p.shape[0] // group.world)
+        rows, padded = p.local_shape[0], -(-p.shape[0] // world)
         pieces, sizes = [], []
         for t in inputs:
             if not isinstance(t, torch.Tensor) or not is_plain(t):
@@ -187,11 +211,11 @@ class Extension:
                     f"{type(t).__qualname__}"
                 )
             size = t.shape
-            if p.shape[0] % group.world:  # the same test on every rank: all raise or none
+            if p.shape[0] % world:  # the same test on every rank: all raise or none
                 if t.dim() == 0 or t.size(0) not in (rows, padded):
                     raise ValueError(
                         f"{self.fqn} is sharded unevenly ({p.shape[0]} rows over "
-                        f"{group.world} ranks, {rows} here), but fsdp_pre_all_gather "
+                        f"{world} ranks, {rows} here), but fsdp_pre_all_gather "
                         f"returned an input of shape {tuple(t.shape)}; uneven parameters "
                         f"need inputs with {rows} or {padded} rows on this rank"
                     )
@@ -202,21 +226,26 @@ class Extension:
             if missing:
                 pieces.append(data.new_zeros(missing))
             sizes.append(size)
-        self._check_layout(sizes, [t.dtype for t in inputs], group)
+        self._check_layout(sizes, [t.dtype for t in inputs], world, device, owner)
         return pieces
 
     def _check_layout(
-        self, sizes: list[torch.Size], dtypes: list[torch.dtype], group: ParamGroup
+        self,
+        sizes: list[torch.Size],
+        dtypes: list[torch.dtype],
+        world: int,
+        device: torch.device,
+        owner: str,
     ) -> None:
         if self.sizes is None:
             self.sizes, self.dtypes = sizes, dtypes
             self.numels = [math.prod(s) for s in sizes]
             self.outputs = [
-                torch.empty(group.world * n, dtype=d, device=group.device)
+                torch.empty(world * n, dtype=d, device=device)
                 for n, d in zip(self.numels, dtypes, strict=True)
             ]
             for o in self.outputs:
-                _free(o)
+                _free(o, owner)
         elif sizes != self.sizes or dtypes != self.dtypes:
             raise RuntimeError(
                 f"{self.fqn}: fsdp_pre_all_gather returned inputs of sizes "
@@ -233,18 +262,18 @@ class Extension:
         assert self.outputs is not None
         return [o.view(world, n) for o, n in zip(self.outputs, self.numels, strict=True)]
 
-    def alloc(self) -> None:
+    def alloc(self, owner: str) -> None:
         assert self.outputs is not None
         for t in self.outputs:
-            _alloc(t)
+            _alloc(t, owner)
 
-    def free(self) -> None:
+    def free(self, owner: str) -> None:
         for t in self.outputs or ():
-            _free(t)
+            _free(t, owner)
         for t in self.to_free:
-            _free(t)
+            _free(t, owner)
 
-    def build(self, p: FSDPParam, param_dtype: torch.dtype) -> bool:
+    def build(self, p: ExtParam, param_dtype: torch.dtype, owner: str) -> bool:
         """Run ``fsdp_post_all_gather`` on the filled outputs. Returns True when it made
         a new unsharded parameter (the first time), False when it refilled ``out``."""
         assert self.outputs is not None and self.sizes is not None
@@ -260,7 +289,7 @@ class Extension:
         post = getattr(local, "fsdp_post_all_gather")  # noqa: B009 - a subclass's hook
         if p.unsharded is not None:
             for t in self.to_free:
-                _alloc(t)
+                _alloc(t, owner)
             post(outs, self.metadata, param_dtype, out=p.unsharded)
             return False
         result = post(outs, self.metadata, param_dtype)
@@ -275,32 +304,3 @@ class Extension:
         self.to_free = list(to_free)
         p.unsharded = nn.Parameter(p.wrap_unsharded(tensor), p.requires_grad)
         return True
-
-
-def pack_inputs(group: ParamGroup, flat: torch.Tensor) -> torch.Tensor:
-    """One rank's uint8 all-gather input: the plain flat buffer's bytes, then every
-    extension parameter's inputs, padded to a multiple of ``_ALIGN`` bytes."""
-    pieces = [flat.view(torch.uint8)] if flat.numel() else []
-    for p in group.ext_params:
-        assert p.ext is not None
-        pieces.extend(p.ext.inputs(p, group))
-    total = sum(t.numel() for t in pieces)
-    if total % _ALIGN or not pieces:
-        pieces.append(torch.zeros(_ALIGN - total % _ALIGN, dtype=torch.uint8, device=group.device))
-    return torch.cat(pieces)
-
-
-def copy_out(group: ParamGroup, output: torch.Tensor) -> None:
-    """Scatter a rank-major uint8 all-gather output (``pack_inputs``' layout) into the
-    plain unsharded buffers and the extension outputs."""
-    plain = group.shard_numel * group.param_dtype.itemsize
-    if plain:
-        group.copy_out_plain(output[:, :plain].view(group.param_dtype))
-    sizes: list[int] = []
-    dsts: list[torch.Tensor] = []
-    for p in group.ext_params:
-        assert p.ext is not None
-        p.ext.alloc()
-        sizes.extend(p.ext.byte_sizes())
-        dsts.extend(s.view(torch.uint8) for s in p.ext.segments(group.world))
-    torch.split_with_sizes_copy(output[:, plain : plain + sum(sizes)], sizes, dim=1, out=dsts)

@@ -40,24 +40,21 @@ from typing import Any, cast
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
-from fsdp2._core import collectives as C
-from fsdp2._core import debug as D
-from fsdp2._core import extension as X
-from fsdp2._core import reduce as R
-from fsdp2._core import relayout as L
+from fsdp2._core.collectives import DividePlan, Into, all_gather, divide_plan
+from fsdp2._core.gloo import Received
 from fsdp2._core.labels import label
-from fsdp2._core.mesh import MeshInfo, shard_mesh
+from fsdp2._core.layout import GroupLayout, holders
+from fsdp2._core.mesh import MeshInfo
 from fsdp2._core.param import FSDPParam
-from fsdp2._core.relayout import group_dtype
 from fsdp2._core.settings import GatherSettings, ReduceSettings
 from fsdp2._core.small_shard import SmallShard
 from fsdp2._core.storage import alloc_storage as _alloc
 from fsdp2._core.storage import free_storage as _free
-from fsdp2.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdp2._core.transport import Pending, copy_out
+from fsdp2.api import MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = ["ParamGroup", "Sharded"]
 
 
 class Sharded(enum.Enum):
@@ -67,8 +64,10 @@ class Sharded(enum.Enum):
     # (reshard_after_forward=int) that the backward all-gather reads
 
 
-class ParamGroup:
-    """The params of one ``fully_shard`` call and their collectives.
+class ParamGroup(GroupLayout):
+    """The params of one ``fully_shard`` call and their collectives: unshard / wait /
+    reshard over the storage of ``GroupLayout`` (layout.py), and the settings that drive
+    them. Gradients are taken and reduced by reduce.py, from above.
 
     All per-parameter work on the hot path is either one flat op or a loop
     over precomputed tuples (see [Note: flat storage] in param.py).
@@ -84,27 +83,14 @@ class ParamGroup:
         reshard_after_forward: bool | int,
         name: str,
     ) -> None:
-        self.params = params
-        self.info = info
-        self.name = name
-        self.path = name  # its module's path under the root, set at lazy init (for messages)
-        self.mp_policy = mp_policy
-        self.offload_policy = offload_policy
-        self.device = info.device
-        self.world = info.shard_size
         self.gather = GatherSettings(post_forward=reshard_after_forward)
         self.reduce = ReduceSettings()
-        self.set_dtypes(group_dtype(params, name))
         self.sharded_state = Sharded.SHARDED
-        self._pending_ag: C.Pending | C.Received | None = None
+        self._pending_ag: Pending | Received | None = None
         self._pending_ag_small = False
         self.small: SmallShard | None = None  # reshard_after_forward=int, see update()
-        # Gradient state that outlives a step.
-        self.partial_reduce: torch.Tensor | None = None  # HSDP without all-reduce
-        self.acc_grads: dict[int, torch.Tensor] = {}  # no-sync sums in reduce_dtype
-        self.resync_pending = False  # adopt_registered waits for a whole group
         self._restore_hooks: list[Any] = []  # see release_unread
-        self._init_storage()
+        super().__init__(params, info, mp_policy, offload_policy, name)
         self.update()
 
     # ---- settings --------------------------------------------------------------
@@ -122,205 +108,19 @@ class ParamGroup:
         if isinstance(k, bool):
             self.small = None
         elif self.small is None or self.small.size != k:
-            self.small = SmallShard(self, k)
+            self.small = SmallShard(self.info, k)
         self.divide_plan = self._plan()
 
-    def _plan(self) -> C.DividePlan:
+    def _plan(self) -> DividePlan:
         replicate = self.info.replicate_size if self.info.replicate_group is not None else 1
         dtype = self.reduce_dtype or self.param_dtype
         r = self.reduce
-        return C.divide_plan(self.world, replicate, dtype, r.divide_factor, r.force_sum)
+        return divide_plan(self.world, replicate, dtype, r.divide_factor, r.force_sum)
 
-    def set_dtypes(self, orig_dtype: torch.dtype) -> None:
+    def retype(self, orig_dtype: torch.dtype) -> None:
         """The parameters' dtype changed (``module.to(dtype)``): derive the rest again."""
-        self.orig_dtype = orig_dtype
-        self.param_dtype = self.mp_policy.param_dtype or orig_dtype
-        reduce_dtype = self.mp_policy.reduce_dtype
-        self.reduce_dtype = None if reduce_dtype == self.param_dtype else reduce_dtype
+        self.set_dtypes(orig_dtype)
         self.divide_plan = self._plan()
-
-    # ---- init -----------------------------------------------------------------
-
-    def _init_storage(self) -> None:
-        # Plain parameters share the flat buffer; extension parameters keep their own
-        # storage (see [Note: all-gather extensions] in extension.py), and so do plain
-        # frozen parameters of another dtype (see [Note: other dtypes]).
-        for p in self.params:
-            if p.ext is None and p.sharded.dtype != self.orig_dtype:
-                if p.is_scalar or p.shard_dim != 0:
-                    raise NotImplementedError(
-                        f"parameter {p.fqn} ({p.sharded.dtype}) is frozen with a dtype other "
-                        f"than its group's ({self.orig_dtype}); fsdp2 gathers such parameters "
-                        "only when sharded on dim 0 (not 0-dim ones): shard it in its own "
-                        "fully_shard call or cast it"
-                    )
-                p.ext = X.Extension(p.fqn, None)
-        self.split_params()
-        self._shard_mesh: DeviceMesh | None = None
-        self._assign_offsets()
-        originals = [p.sharded for p in self.params]
-        on_meta = originals[0].is_meta
-        flat = self._new_sharded_flat(
-            self.orig_dtype, torch.device("meta") if on_meta else self.device
-        )
-        with torch.no_grad():
-            for p, t in zip(self.params, originals, strict=True):
-                if p.ext is None and not flat.is_meta and p.local_numel:
-                    p.local_view(flat).copy_(p.local_chunk(t.detach()))
-        self.sharded_flat = flat
-        pin = self._pin() and self.device.type != "cpu"
-        with torch.no_grad():
-            for p, t in zip(self.params, originals, strict=True):
-                if p.ext is None:
-                    p.make_sharded(flat, self.info)
-                else:
-                    p.make_sharded_ext(t, self.info, flat.device, pin)
-        for p, t in zip(self.params, originals, strict=True):
-            plain = p.tp is None and p.ext is None
-            p.unsharded = nn.Parameter(t.detach(), p.requires_grad) if plain else None
-        self._init_unsharded(flat.device if flat.is_meta else self.device)
-        self.refresh_registrations()
-        self.register_sharded()
-
-    def _assign_offsets(self) -> None:
-        """Place the flat parameters back to back in the flat sharded buffer."""
-        offset = 0
-        for p in self.flat_params:
-            p.offset = offset
-            offset += p.padded_numel
-        self.shard_numel = offset
-
-    def split_params(self) -> None:
-        """Sort the parameters: plain ones share the flat buffer, extension ones keep
-        their own storage."""
-        self.flat_params = [p for p in self.params if p.ext is None]
-        self.ext_params = [p for p in self.params if p.ext is not None]
-
-    def refresh_registrations(self) -> None:
-        """Recompute what ``register_sharded`` / ``register_unsharded`` write and which
-        parameters get gradients (after parameter objects changed)."""
-        Regs = list[tuple[dict[str, Any], str, torch.Tensor]]  # (module._parameters, name, t)
-        self._sharded_regs: Regs = [
-            (m._parameters, n, p.sharded) for p in self.params for m, n in p.owners
-        ]
-        # Extension parameters have no unsharded parameter before their first all-gather.
-        self._unsharded_regs: Regs = [
-            (m._parameters, n, p.unsharded)
-            for p in self.params
-            if p.unsharded is not None
-            for m, n in p.owners
-        ]
-        self.grad_params = [p for p in self.params if p.requires_grad]
-
-    def shard_mesh(self) -> DeviceMesh:
-        """The mesh the shard dim spans (what extension hooks receive)."""
-        if self._shard_mesh is None:
-            self._shard_mesh = shard_mesh(self.info)
-        return self._shard_mesh
-
-    def _pin(self) -> bool:
-        """Whether the sharded state lives in pinned host memory (CPU offload)."""
-        policy = self.offload_policy
-        return isinstance(policy, CPUOffloadPolicy) and policy.pin_memory
-
-    def _new_sharded_flat(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if isinstance(self.offload_policy, CPUOffloadPolicy) and device.type != "meta":
-            device = torch.device("cpu")
-        # Padding must be zeros: it is all-gathered and reduced like real data.
-        flat = torch.zeros(self.shard_numel, dtype=dtype, device=device)
-        if self._pin() and self.device.type != "cpu":
-            flat = flat.pin_memory()
-        return flat
-
-    def _init_unsharded(self, device: torch.device) -> None:
-        """(Re)build the unsharded buffers, one per flat parameter, and point the
-        unsharded params (same objects every time) at them; see [Note: flat storage]."""
-        self._build_unsharded(device)
-        self.released: list[int] = []  # flat params whose buffer was released early
-        # what holds each buffer now (ours only; measured once the builder's locals are gone)
-        self._holders = [_holders(b) for b in self.unsharded_bufs]
-        if self.small is not None:
-            self.small = SmallShard(self, self.small.size)
-
-    def _build_unsharded(self, device: torch.device) -> None:
-        w = self.world
-        bufs = [
-            torch.empty(w * p.padded_numel, dtype=self.param_dtype, device=device)
-            for p in self.flat_params
-        ]
-        self.unsharded_bufs = bufs
-        self.split_sizes = [p.padded_numel for p in self.flat_params]
-        # writes through .data do not bump the params' version counter
-        self.copy_dsts = [
-            b.data.view(w, p.padded_numel) for b, p in zip(bufs, self.flat_params, strict=True)
-        ]
-        self.row_dsts = [[d[r] for d in self.copy_dsts] for r in range(w)]  # rank r's rows
-        # Shard(d > 0) params: the copy-out writes a permuted view instead.
-        self._dim_copies = [
-            (i, p.split_view(bufs[i].data), p.local_shape)
-            for i, p in enumerate(self.flat_params)
-            if p.shard_dim != 0
-        ]
-        with torch.no_grad():
-            for p, b in zip(self.flat_params, bufs, strict=True):
-                numel = 1 if p.is_scalar else p.shape.numel()
-                view = b.narrow(0, 0, numel).view(p.shape)
-                old = p.unsharded
-                if p.tp is not None:
-                    if isinstance(old, DTensor) and (old.device, old.dtype) == (
-                        view.device,
-                        view.dtype,
-                    ):
-                        old._local_tensor = view
-                    else:
-                        new = nn.Parameter(p.wrap_unsharded(view), p.requires_grad)
-                        p.unsharded = new if old is None else _swap(old, new)
-                    continue
-                assert old is not None  # plain flat parameters always have one
-                if old.device == view.device and old.dtype == view.dtype:
-                    old.data = view
-                else:  # e.g. meta -> cpu: .data cannot change the tensor type
-                    new = nn.Parameter(view, old.requires_grad)
-                    _forget_fake(old, new)
-                    torch.utils.swap_tensors(old, new)
-        for b in bufs:
-            _free(b)
-
-    def relayout(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Lay the flat parameters out again in a new flat buffer of ``dtype`` on
-        ``device``, moving their current local tensors into it (parameter objects keep
-        their identity), and rebuild the unsharded buffers."""
-        self._assign_offsets()
-        new = self._new_sharded_flat(dtype, device)
-        with torch.no_grad():
-            for p in self.flat_params:
-                view = p.local_view(new)
-                if not new.is_meta and p.local_numel:
-                    view.copy_(p.sharded._local_tensor)
-                p.sharded._local_tensor = view
-                p.spec = p.sharded._spec
-        self.sharded_flat = new
-        self._init_unsharded(torch.device("meta") if new.is_meta else self.device)
-
-    def register_sharded(self) -> None:
-        for d, n, t in self._sharded_regs:
-            d[n] = t
-
-    def register_unsharded(self) -> None:
-        for d, n, t in self._unsharded_regs:
-            d[n] = t
-
-    # ---- layout changes after fully_shard (see relayout.py) ----------------------
-
-    def adopt_registered(self) -> None:
-        L.adopt_registered(self)
-
-    def resync_after_apply(self) -> None:
-        L.resync_after_apply(self)
-
-    def adopt_patched_hooks(self) -> None:
-        if L.hooks_patched(self):
-            L.adopt_patched_hooks(self)
 
     # ---- unshard / reshard -------------------------------------------------------
 
@@ -330,31 +130,31 @@ class ParamGroup:
         if self.sharded_state is Sharded.UNSHARDED or self._pending_ag is not None:
             return
         if self.sharded_state is Sharded.SMALL:
-            assert self.small is not None
-            self._pending_ag = self.small.all_gather()
+            small = self.small
+            assert small is not None
+            [self._pending_ag] = all_gather([small.take()], small.group_pg, small.size, self.path)
             self._pending_ag_small = True
             return
-        with label("copy_in", self.path):
-            flat = self.gather_input()
-            if self.ext_params:
-                flat = X.pack_inputs(self, flat)
-        pg = self.info.shard_group
-        D.check("all-gather", self.path, flat.numel() * self.world, flat.dtype, pg)
-        with label("all_gather issue", self.path):
-            if self._gathers_into_rows(flat, pg):  # see [Note: gloo straight in and out]
-                for b in self.unsharded_bufs:
-                    _alloc(b)
-                pending: C.Pending | C.Received = C.all_gather_into(
-                    flat, self.split_sizes, self.row_dsts, pg
-                )
-            else:
-                pending = C.all_gather(flat, pg, self.world, self.gather.comm)
-            self.gather_issued(pending)
+        into = None
+        if not self.ext_params and not self._dim_copies and self.gather.comm is None:
+            into = Into(self.split_sizes, self.row_dsts, self._alloc_unsharded)
+        [pending] = all_gather(
+            self._gather_inputs,
+            self.info.shard_group,
+            self.world,
+            self.path,
+            comm=self.gather.comm,
+            into=into,
+        )
+        self.gather_issued(pending)
 
-    def _gathers_into_rows(self, flat: torch.Tensor, pg: Any) -> bool:
-        """Whether the all-gather may land straight in the unsharded parameters' rows."""
-        plain = not self.ext_params and not self._dim_copies and self.gather.comm is None
-        return plain and self.world > 1 and C._by_exchange(flat, pg)
+    def _alloc_unsharded(self) -> None:
+        for b in self.unsharded_bufs:
+            _alloc(b, self.path)
+
+    def _gather_inputs(self) -> list[torch.Tensor]:
+        flat = self.gather_input()
+        return [self.pack_ext_inputs(flat) if self.ext_params else flat]
 
     def gather_input(self) -> torch.Tensor:
         """This rank's flat all-gather input (plain parameters)."""
@@ -364,7 +164,7 @@ class ParamGroup:
             flat = flat.to(self.device, self.param_dtype, non_blocking=True)
         return flat
 
-    def gather_issued(self, pending: C.Pending | C.Received) -> None:
+    def gather_issued(self, pending: Pending | Received) -> None:
         """This group's all-gather (alone, or its slice of a bucket's) is in flight."""
         self._pending_ag = pending
         self._pending_ag_small = False
@@ -408,7 +208,7 @@ class ParamGroup:
             self.unshard()
         pending, self._pending_ag = self._pending_ag, None
         assert pending is not None
-        if isinstance(pending, C.Received):  # landed in the buffers (allocated at issue)
+        if isinstance(pending, Received):  # landed in the buffers (allocated at issue)
             with label("all_gather wait", self.path):
                 pending.wait_works()
             with label("copy_out", self.path):
@@ -425,17 +225,17 @@ class ParamGroup:
             rows = pending.wait_rows() if by_rows else [pending.wait()]
         with label("copy_out", self.path):
             for b in self.unsharded_bufs:
-                _alloc(b)
+                _alloc(b, self.path)
             if by_rows:
                 for row, dsts in zip(rows, self.row_dsts, strict=True):
-                    C.copy_out(row, self.split_sizes, dsts)
+                    copy_out(row, self.split_sizes, dsts)
             elif self._pending_ag_small:
                 assert self.small is not None
                 for p in self.ext_params:
-                    p.ext.alloc()  # type: ignore[union-attr]
+                    p.ext.alloc(self.path)  # type: ignore[union-attr]
                 self.small.copy_out(rows[0])
             elif self.ext_params:
-                X.copy_out(self, rows[0])
+                self.copy_out_ext(rows[0])
             else:
                 self.copy_out_plain(rows[0])
         del rows, pending
@@ -444,40 +244,13 @@ class ParamGroup:
         self.sharded_state = Sharded.UNSHARDED
         self.register_unsharded()
 
-    def copy_out_plain(self, output: torch.Tensor) -> None:
-        """Scatter the rank-major ``(world, shard_numel)`` all-gather output of the
-        flat buffer into the unsharded parameters."""
-        if not self._dim_copies:
-            C.copy_out(output, self.split_sizes, self.copy_dsts)
-        else:
-            self._copy_out_permuted(output)
-
     def _build_ext_unsharded(self) -> None:
         created = False
         for p in self.ext_params:
             assert p.ext is not None
-            created |= p.ext.build(p, self.param_dtype)
+            created |= p.ext.build(p, self.param_dtype, self.path)
         if created:
             self.refresh_registrations()
-
-    def unsharded_segments(self) -> list[torch.Tensor]:
-        """Every unsharded byte of the group as ``(world, k)`` rank-major tensors
-        (allocated only while unsharded)."""
-        segs = list(self.copy_dsts)
-        for p in self.ext_params:
-            assert p.ext is not None
-            segs.extend(p.ext.segments(self.world))
-        return segs
-
-    def _copy_out_permuted(self, output: torch.Tensor) -> None:
-        chunks = output.split(self.split_sizes, dim=1)
-        special = {i: (dst, shape) for i, dst, shape in self._dim_copies}
-        for i, (chunk, dst) in enumerate(zip(chunks, self.copy_dsts, strict=True)):
-            if i in special:
-                dst, shape = special[i]
-                dst.copy_(chunk.view(chunk.size(0), *shape))
-            else:
-                dst.copy_(chunk)
 
     def reshard(self, *, to_small: bool = False) -> None:
         """Free the unsharded params and register the sharded ones. With
@@ -489,32 +262,33 @@ class ParamGroup:
     def _reshard(self, to_small: bool) -> None:
         if self._pending_ag is not None:  # prefetched but unused
             pending, self._pending_ag = self._pending_ag, None
-            if isinstance(pending, C.Received):
+            if isinstance(pending, Received):
                 pending.wait_works()  # the receives write into the buffers: then free them
                 for b in self.unsharded_bufs:
-                    _free(b)
+                    _free(b, self.path)
             else:
                 pending.wait()
         if self.sharded_state is Sharded.SMALL and not to_small:
             # The small copy holds this step's values; never gather it next step.
-            self._drop_small()
+            self.drop_small()
             return
         if self.sharded_state is not Sharded.UNSHARDED:
             return
         if to_small and self.small is not None:
-            self.small.keep()
+            self.small.keep(self.unsharded_segments(), as_bytes=bool(self.ext_params))
             self.sharded_state = Sharded.SMALL
         else:
             self.sharded_state = Sharded.SHARDED
         for b in self.unsharded_bufs:
-            _free(b)
+            _free(b, self.path)
         self.released = []
         self._drop_restore_hooks()
         for p in self.ext_params:
-            p.ext.free()  # type: ignore[union-attr]
+            p.ext.free(self.path)  # type: ignore[union-attr]
         self.register_sharded()
 
-    def _drop_small(self) -> None:
+    def drop_small(self) -> None:
+        """Forget the ``reshard_after_forward=int`` copy (its step is over)."""
         if self.small is not None:  # None if reshard_after_forward changed meanwhile
             self.small.flat = None
         self.sharded_state = Sharded.SHARDED
@@ -543,9 +317,9 @@ class ParamGroup:
             if not p.requires_grad or p.tp is not None or p.is_scalar or p.shard_dim != 0:
                 continue
             b = self.unsharded_bufs[i]
-            if _holders(b) != self._holders[i] or not _only_accumulator(p.unsharded):
+            if holders(b) != self._holders[i] or not _only_accumulator(p.unsharded):
                 continue
-            _free(b)
+            _free(b, self.path)
             for m, n in p.owners:
                 m._parameters[n] = p.sharded  # type: ignore[assignment]  # a DTensor Parameter
                 owned.setdefault(id(m), (m, []))[1].append(i)
@@ -560,17 +334,20 @@ class ParamGroup:
         idx = [i for i in idx if i in self.released]
         if not idx:
             return
-        pg = self.info.shard_group
-        flat = self.gather_input()
-        D.check("all-gather", self.path, flat.numel() * self.world, flat.dtype, pg)
-        with label("all_gather issue", self.path):
-            pending = C.all_gather(flat, pg, self.world, self.gather.comm)
+        [pending] = all_gather(
+            lambda: [self.gather_input()],
+            self.info.shard_group,
+            self.world,
+            self.path,
+            comm=self.gather.comm,
+        )
+        assert isinstance(pending, Pending)
         with label("all_gather wait", self.path):
             output = pending.wait()
         with label("copy_out", self.path):
             cols = output.split(self.split_sizes, dim=1)
             for i in idx:
-                _alloc(self.unsharded_bufs[i])
+                _alloc(self.unsharded_bufs[i], self.path)
                 self.copy_dsts[i].copy_(cols[i])
                 p = self.flat_params[i]
                 for m, n in p.owners:
@@ -584,34 +361,18 @@ class ParamGroup:
             h.remove()
         self._restore_hooks = []
 
-    # ---- gradients --------------------------------------------------------------
-
-    def post_backward(self) -> R.Part | None:
-        """Take the gradients computed so far for reduction (the caller issues the
-        reduce-scatter, alone or bucketed, and advances it) and reshard."""
-        part = None
-        if self.reduce.sync:
-            part = R.take_grads(self)
-        elif self.reduce_dtype is not None:
-            R.accumulate_in_reduce_dtype(self)
+    def after_backward(self) -> None:
+        """Its gradients were taken: reshard per ``reshard_after_backward``."""
         if self.gather.reshard_after_backward:
             self.reshard()
         elif self.sharded_state is Sharded.SMALL:
-            self._drop_small()
-        return part
+            self.drop_small()
 
-    def has_unreduced_grads(self) -> bool:
-        return R.has_unreduced_grads(self)
-
-    # ---- recovery ---------------------------------------------------------
-
-    def discard_grads(self) -> None:
-        """Drop unreduced gradients (unsharded, no-sync sums, HSDP partials)."""
+    def drop_unsharded_grads(self) -> None:
+        """Drop the unsharded parameters' gradients (recovery: ``reset_iter_state``)."""
         for p in self.grad_params:
             if p.unsharded is not None:
                 p.unsharded.grad = None
-        self.acc_grads.clear()
-        self.partial_reduce = None
 
 
 def _restore_hook(group: ParamGroup, idx: list[int]) -> Callable[..., None]:
@@ -620,11 +381,6 @@ def _restore_hook(group: ParamGroup, idx: list[int]) -> Callable[..., None]:
 
     # run eagerly (a collective and storage moves), as every engine hook
     return cast(Callable[..., None], torch.compiler.disable(hook))
-
-
-def _holders(t: torch.Tensor) -> int:
-    """How many tensors hold ``t``'s storage (its use count)."""
-    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
 
 
 def _only_accumulator(t: torch.Tensor | None) -> bool:
@@ -637,19 +393,3 @@ def _only_accumulator(t: torch.Tensor | None) -> bool:
     existed = int(t._use_count()) == before  # type: ignore[attr-defined]  # a new one holds t
     del edge
     return before == 1 + int(existed)
-
-
-def _forget_fake(*ts: torch.Tensor) -> None:
-    """Drop ``ts`` from their fake mode's conversion memo, whose weak references would make
-    ``swap_tensors`` refuse them (fsdp2.estimate_memory's simulated step)."""
-    for t in ts:
-        if isinstance(t, FakeTensor):
-            memo = t.fake_mode.fake_tensor_converter.meta_converter.tensor_memo
-            for key in [k for k, v in memo.items() if v is t]:
-                del memo[key]
-
-
-def _swap(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """Give ``old`` the contents of ``new`` (the object keeps its identity)."""
-    torch.utils.swap_tensors(old, new)
-    return old

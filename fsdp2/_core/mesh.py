@@ -290,7 +290,7 @@ class MeshCache:
     placeholders: dict[tuple[torch.dtype, torch.device], torch.Tensor] = field(default_factory=dict)
 
     def placeholder(self, like: torch.Tensor) -> torch.Tensor:
-        """An empty tensor of ``like``'s dtype and device (see ``_param._wrap``)."""
+        """An empty tensor of ``like``'s dtype and device (see ``param._wrap``)."""
         key = (like.dtype, like.device)
         t = self.placeholders.get(key)
         if t is None:

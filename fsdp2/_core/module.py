@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp2._core import compat as _compat
+from fsdp2._core import relayout
 from fsdp2._core.group import ParamGroup
 from fsdp2._core.mesh import separate_shard_group
 from fsdp2._core.state import FSDPState, state_of
+from fsdp2._core.transport import BackendAlloc
 from fsdp2.api import AllGather, ReduceScatter
 
 __all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
@@ -286,9 +286,9 @@ class FSDPModule:
         (NCCL zero-copy, e.g. SHARP). Backends without one (gloo) ignore it.
         Cannot be combined with custom collectives. Not recursive."""
         for g in self._groups():
-            if g.gather.comm is not None and not isinstance(g.gather.comm, _BackendAlloc):
+            if g.gather.comm is not None and not isinstance(g.gather.comm, BackendAlloc):
                 raise ValueError("custom all-gather already set; it allocates its own buffers")
-            comm = _BackendAlloc.for_group(g.info.shard_group, g.device) if enable else None
+            comm = BackendAlloc.for_group(g.info.shard_group, g.device) if enable else None
             g.update(gather={"comm": comm}, reduce={"comm": comm})
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
@@ -339,7 +339,7 @@ class FSDPModule:
         out = super()._apply(*args, **kwargs)  # type: ignore[misc]
         for st in self._fsdp_modules(recurse=True):
             if st.group is not None:
-                st.group.resync_after_apply()
+                relayout.resync_after_apply(st.group)
         return out
 
 
@@ -403,46 +403,3 @@ def _on_stream(hook: Callable[[torch.Tensor], None], stream: Any) -> Callable[[t
         current.wait_stream(stream)
 
     return run
-
-
-class _BackendAlloc(AllGather, ReduceScatter):
-    """Collectives (all-gather and reduce-scatter) whose buffers come from the process
-    group's memory allocator."""
-
-    def __init__(self, pool: Any) -> None:
-        self.pool = pool
-
-    @classmethod
-    def for_group(cls, group: dist.ProcessGroup, device: torch.device) -> _BackendAlloc | None:
-        if device.type != "cuda":
-            return None  # gloo and CPU tensors: the default allocator is the only one
-        try:  # NCCL built without ncclMemAlloc raises rather than returning None
-            allocator = getattr(group._get_backend(device), "mem_allocator", None)
-        except RuntimeError:
-            allocator = None
-        if allocator is None:
-            return None
-        return cls(torch.cuda.MemPool(allocator))
-
-    def allocate(
-        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        with torch.cuda.use_mem_pool(self.pool):
-            return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(  # one call for both bases: all-gather (no op) and reduce-scatter (op)
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        *args: Any,
-        async_op: bool = False,
-    ) -> dist.Work | None:
-        work: dist.Work | None
-        if args:  # reduce-scatter: (..., op)
-            work = _compat.reduce_scatter_single(
-                output_tensor, input_tensor, args[0], group, async_op=async_op
-            )
-        else:
-            work = _compat.all_gather_single(output_tensor, input_tensor, group, async_op=async_op)
-        return work

@@ -1,12 +1,13 @@
 """A group's gradients: from the unsharded parameters' ``.grad`` to the sharded ones'.
 
-``take_grads(group)`` takes a group's unsharded gradients as a ``Part``; ``reduce(parts)``
-packs one or several groups' parts rank-major (see [Note: flat storage] in param.py),
-issues ONE reduce-scatter and returns a ``Reduction``: the state layer queues it and
-advances it stage by stage (reduce-scatter, then for HSDP the all-reduce, then landing),
-so a group never waits on its own reduction and never calls up into the state layer.
-Several parts share a reduce-scatter when their groups are bucketed
-(``FSDPModule.set_bucket_bytes``, see [Note: buckets] in step.py).
+Above the group: ``take_grads(group, grads)`` takes a group's unsharded gradients as a
+``Part``; ``reduce(parts)`` issues ONE reduce-scatter of one or several groups' parts
+(``collectives.reduce_scatter`` packs them rank-major, see [Note: flat storage] in
+param.py) and returns a ``Reduction``: the step layer queues it and advances it stage by
+stage (reduce-scatter, then for HSDP the all-reduce, then landing). Several parts share a
+reduce-scatter when their groups are bucketed (``FSDPModule.set_bucket_bytes``, see [Note:
+buckets] in step.py). What outlives a backward (no-sync sums, HSDP partial sums) is a
+``GradState``, changed here only; the step layer keeps one per group.
 """
 
 from __future__ import annotations
@@ -19,13 +20,29 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from fsdp2._core import collectives as C
-from fsdp2._core import debug as D
+from fsdp2._core.collectives import DividePlan, all_reduce, reduce_scatter
 from fsdp2._core.labels import label
 from fsdp2._core.param import FSDPParam
+from fsdp2._core.transport import Pending
 
 if TYPE_CHECKING:
     from fsdp2._core.group import ParamGroup
+
+__all__ = ["GradState", "Part", "ReduceStage", "Reduction", "bucket_key", "reduce", "take_grads"]
+
+
+class GradState:
+    """A group's gradients that outlive a backward."""
+
+    __slots__ = ("acc", "partial")
+
+    def __init__(self) -> None:
+        self.acc: dict[int, torch.Tensor] = {}  # no-sync sums in reduce_dtype, by id(param)
+        self.partial: torch.Tensor | None = None  # HSDP without all-reduce: the shard-reduced sum
+
+    def clear(self) -> None:
+        self.acc.clear()
+        self.partial = None
 
 
 class ReduceStage(enum.Enum):
@@ -41,6 +58,7 @@ class Part(NamedTuple):
     (unsharded, not packed yet) and where its rank's slice starts in the reduced output."""
 
     group: ParamGroup
+    state: GradState
     params: list[FSDPParam]
     grads: list[torch.Tensor]
     numel: int  # elements per rank
@@ -53,7 +71,7 @@ class Reduction:
 
     __slots__ = ("group", "parts", "starts", "pending", "plan", "stage", "host_copy")
 
-    def __init__(self, parts: list[Part], pending: C.Pending, plan: C.DividePlan) -> None:
+    def __init__(self, parts: list[Part], pending: Pending, plan: DividePlan) -> None:
         self.group = parts[0].group  # settings common to the bucket (see bucket_key)
         self.parts = parts
         self.starts = list(itertools.accumulate((p.numel for p in parts[:-1]), initial=0))
@@ -78,20 +96,17 @@ class Reduction:
         if self.stage is ReduceStage.REDUCE_SCATTER and replicate is not None:
             if not g.reduce.all_reduce:  # never bucketed (see bucket_key)
                 # HSDP accumulation: keep the shard-reduced sum, all-reduce it later.
-                g.partial_reduce = (
-                    output if g.partial_reduce is None else g.partial_reduce.add_(output)
-                )
+                state = self.parts[0].state
+                state.partial = output if state.partial is None else state.partial.add_(output)
                 self.stage = ReduceStage.DONE
                 return True
             for part, out in self._slices(output):
-                if part.group.partial_reduce is not None:
-                    out.add_(part.group.partial_reduce)
-                    part.group.partial_reduce = None
+                if part.state.partial is not None:
+                    out.add_(part.state.partial)
+                    part.state.partial = None
             self.stage = ReduceStage.ALL_REDUCE
-            if D.is_debug():
-                D.check("all-reduce", _paths(self.parts), output.numel(), output.dtype, replicate)
-            with label("all_reduce issue", lambda: _paths(self.parts)):
-                self.pending = C.all_reduce(output, replicate, self.plan.ar_op)
+            paths = lambda: _paths(self.parts)  # noqa: E731
+            self.pending = all_reduce(output, replicate, paths, op=self.plan.ar_op)
             return False
         for part, out in self._slices(output):
             if part.group.reduce.hook is not None:
@@ -103,16 +118,16 @@ class Reduction:
         return True
 
 
-def has_unreduced_grads(group: ParamGroup) -> bool:
-    return bool(group.acc_grads) or any(
+def has_unreduced_grads(group: ParamGroup, state: GradState) -> bool:
+    return bool(state.acc) or any(
         p.unsharded is not None and p.unsharded.grad is not None for p in group.grad_params
     )
 
 
-def accumulate_in_reduce_dtype(group: ParamGroup) -> None:
+def accumulate_in_reduce_dtype(group: ParamGroup, state: GradState) -> None:
     """Without gradient sync, keep the running sum in ``reduce_dtype`` (so
     low-precision compute does not accumulate in low precision)."""
-    acc = group.acc_grads
+    acc = state.acc
     for p in group.grad_params:
         u = p.unsharded
         g = None if u is None else u.grad
@@ -123,9 +138,9 @@ def accumulate_in_reduce_dtype(group: ParamGroup) -> None:
         acc[id(p)] = g.to(group.reduce_dtype) if prev is None else prev.add_(g)
 
 
-def _take_grads(group: ParamGroup) -> tuple[list[FSDPParam], list[torch.Tensor]]:
+def _take_grads(group: ParamGroup, state: GradState) -> tuple[list[FSDPParam], list[torch.Tensor]]:
     params, grads = [], []
-    acc = group.acc_grads
+    acc = state.acc
     for p in group.grad_params:
         u = p.unsharded
         g = None if u is None else u.grad
@@ -150,16 +165,17 @@ def _take_grads(group: ParamGroup) -> tuple[list[FSDPParam], list[torch.Tensor]]
     return params, grads
 
 
-def take_grads(group: ParamGroup) -> Part | None:
-    """Take the gradients computed so far off the unsharded parameters (``None`` if there
-    are none), ready for ``reduce`` alone or in a bucket with other groups'."""
-    params, grads = _take_grads(group)
+def take_grads(group: ParamGroup, state: GradState) -> Part | None:
+    """Take the gradients computed so far off the unsharded parameters, adding the no-sync
+    sums of ``state`` (``None`` if there are none), ready for ``reduce`` alone or in a
+    bucket with other groups'."""
+    params, grads = _take_grads(group, state)
     if not params:
         return None
     w = group.world
     numel = sum(-(-g.size(0) // w) * (g.numel() // max(g.size(0), 1)) for g in grads)
     dtype = group.reduce_dtype or group.param_dtype
-    return Part(group, params, grads, numel, w * numel * dtype.itemsize)
+    return Part(group, state, params, grads, numel, w * numel * dtype.itemsize)
 
 
 def bucket_key(group: ParamGroup) -> tuple[Any, ...] | None:
@@ -180,36 +196,22 @@ def _paths(parts: list[Part]) -> str:
 
 def reduce(parts: list[Part]) -> Reduction:
     """Issue ONE reduce-scatter of the parts' gradients (groups of equal ``bucket_key``
-    when more than one): packed rank-major, each rank's row is its slice of every part
-    in turn (on 2 gloo ranks, large gradients are sent straight instead: [Note: gloo
-    straight in and out] in collectives.py)."""
+    when more than one): each rank's row is its slice of every part in turn."""
     group = parts[0].group
-    dtype = group.reduce_dtype or group.param_dtype
-    comm = group.reduce.comm
     plan = group.divide_plan
-    pg = group.reduce.group or group.info.shard_group
-    if D.is_debug():
-        numel = group.world * sum(part.numel for part in parts)
-        D.check("reduce-scatter", _paths(parts), numel, dtype, pg)
     grads = [g for part in parts for g in part.grads]
-    parts = [part._replace(grads=[]) for part in parts]  # packed or sent: free them as we go
-    pending = None
-    if (
-        comm is None
-        and plan.pre is None
-        and C.sends_grads_straight(pg, group.world, group.device, plan.rs_op)
-        and C.sends_any_straight(grads, dtype)
-    ):
-        with label("reduce_scatter issue", lambda: _paths(parts)):
-            pending = C.reduce_scatter_grads(grads, dtype, plan.rs_op, pg)
-    if pending is None:
-        with label("reduce_scatter pack", lambda: _paths(parts)):
-            packed = C.pack_for_reduce_scatter(grads, group.world, dtype, comm)
-            del grads
-            if plan.pre is not None:
-                packed.div_(plan.pre)
-        with label("reduce_scatter issue", lambda: _paths(parts)):
-            pending = C.reduce_scatter(packed, pg, plan.rs_op, comm)
+    for part in parts:
+        part.grads.clear()  # packed or sent: reduce_scatter lets them go as it can
+    pending = reduce_scatter(
+        grads,
+        group.world,
+        group.reduce_dtype or group.param_dtype,
+        group.reduce.group or group.info.shard_group,
+        lambda: _paths(parts),
+        op=plan.rs_op,
+        pre=plan.pre,
+        comm=group.reduce.comm,
+    )
     return Reduction(parts, pending, plan)
 
 

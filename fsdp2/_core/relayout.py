@@ -5,7 +5,8 @@ Users and torch replace what a group laid out: ``nn.Module._apply`` (``to_empty`
 ``load_state_dict(assign=True)`` or an assignment registers new parameter objects, and
 all-gather hooks may be patched onto local tensors. These functions bring the group back
 to [Note: flat storage] (in param.py) through its public methods, keeping parameter
-objects (so optimizers built in between stay valid).
+objects (so optimizers built in between stay valid). Above the group: lazy init (state.py),
+the state-dict hooks, ``FSDPModule._apply`` and the step's start (step.py) call these.
 """
 
 from __future__ import annotations
@@ -23,34 +24,6 @@ if TYPE_CHECKING:
     from fsdp2._core.group import ParamGroup
 
 
-def group_dtype(params: list[FSDPParam], name: str) -> torch.dtype:
-    """The dtype of a group's flat buffer: its trainable parameters' (one dtype for all of
-    them: their gradients are reduced together), else its most common one.
-
-    [Note: other dtypes]
-    A frozen parameter of another dtype (a frozen float8 or bf16 weight next to fp32
-    trainable ones) keeps its own storage and is gathered as bytes in the group's one
-    all-gather, like an extension parameter whose hooks fsdp2 plays itself: the input
-    is its local shard (cast to ``param_dtype`` under mixed precision if it is floating,
-    as torch's FSDP2 does), the unsharded parameter views the output.
-    """
-    trainable = {p.sharded.dtype for p in params if p.requires_grad}
-    if len(trainable) > 1:
-        listing = ", ".join(f"{p.fqn}: {p.sharded.dtype}" for p in params if p.requires_grad)
-        raise ValueError(
-            f"fully_shard({name}) needs one dtype for the trainable parameters it groups "
-            f"(their gradients are reduced together), got {listing}. Cast the module "
-            "(module.to(dtype)) or shard the differing submodules in their own fully_shard "
-            "calls. Frozen parameters (requires_grad=False) may have other dtypes."
-        )
-    if trainable:
-        return trainable.pop()
-    counts: dict[torch.dtype, int] = {}
-    for p in params:
-        counts[p.sharded.dtype] = counts.get(p.sharded.dtype, 0) + 1
-    return max(counts, key=lambda d: counts[d])
-
-
 def adopt_registered(group: ParamGroup) -> None:
     """Take parameters registered in place of the group's sharded ones as the new
     sharded parameters, and move their values into the flat buffer.
@@ -60,7 +33,9 @@ def adopt_registered(group: ParamGroup) -> None:
     nn.Parameter(...)`` after ``to_empty``). The new parameter must be a DTensor with the
     sharded parameter's placements and local shape (ValueError otherwise, naming it).
     The flat buffer is rebuilt once none of the group's parameters is half-loaded (some
-    still on meta while others are not), so loading module by module works.
+    still on meta while others are not), so loading module by module works: until then
+    the adopted parameters' local tensors stay where they are, and ``resync_after_apply``
+    (a no-op when every local tensor is in the flat buffer) moves them in later.
     """
     changed = False
     for p in group.params:
@@ -79,9 +54,7 @@ def adopt_registered(group: ParamGroup) -> None:
         changed = True
     if changed:
         group.refresh_registrations()
-        group.resync_pending = True
-    if group.resync_pending and len({p.sharded.is_meta for p in group.params}) == 1:
-        group.resync_pending = False  # not half-loaded
+    if len({p.sharded.is_meta for p in group.params}) == 1:  # not half-loaded
         resync_after_apply(group)
 
 
@@ -143,7 +116,7 @@ def resync_after_apply(group: ParamGroup) -> None:
     dtype, device = locals_[0].dtype, locals_[0].device
     if any(t.dtype != dtype for t in locals_):
         raise ValueError(f"fully_shard({group.name}): conversion left mixed dtypes")
-    group.set_dtypes(dtype)
+    group.retype(dtype)
     group.relayout(dtype, device)
 
 
@@ -156,7 +129,7 @@ def _resync_ext(group: ParamGroup) -> None:
         p.spec = p.sharded._spec
         if not p.ext.stale(p.sharded._local_tensor):
             continue
-        p.ext.free()
+        p.ext.free(group.path)
         p.ext.reset()
         p.unsharded = None
         changed = True
@@ -164,7 +137,7 @@ def _resync_ext(group: ParamGroup) -> None:
         group.refresh_registrations()
     dtypes = {p.sharded.dtype for p in group.params}
     if not group.flat_params and len(dtypes) == 1:
-        group.set_dtypes(dtypes.pop())
+        group.retype(dtypes.pop())
 
 
 def hooks_patched(group: ParamGroup) -> bool:

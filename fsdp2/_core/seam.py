@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp2._core.mesh import comm_device_type
 from fsdp2._core.state import FSDPState, state_of
+from fsdp2._core.step import Slot
 from fsdp2.api import MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
@@ -96,7 +97,7 @@ def on_backward_end(module: nn.Module, callback: Callable[[], None]) -> None:
     st = state_of(module)
     if st is None:
         raise ValueError(f"{type(module).__name__} was not passed to fully_shard")
-    st.backward_end_callbacks.append(callback)
+    st.slot.on_backward_end.append(callback)
 
 
 @dataclass(frozen=True)
@@ -126,8 +127,9 @@ def unit_settings(root: nn.Module) -> dict[nn.Module, UnitSettings]:
     targets outside ``root``'s subtree are left out of the tuples."""
     states = _states(root, recurse=True)
     first = {id(st): st.modules[0] for st in states if st.group is not None}
+    first.update({id(st.slot): st.modules[0] for st in states if st.group is not None})
 
-    def named(targets: list[FSDPState]) -> tuple[nn.Module, ...]:
+    def named(targets: list[FSDPState] | list[Slot]) -> tuple[nn.Module, ...]:
         return tuple(first[id(t)] for t in targets if id(t) in first)
 
     out: dict[nn.Module, UnitSettings] = {}
@@ -142,6 +144,6 @@ def unit_settings(root: nn.Module) -> dict[nn.Module, UnitSettings]:
             offload_policy=g.offload_policy,
             forward_prefetch=None if st.fwd_prefetch is None else named(st.fwd_prefetch),
             backward_prefetch=None if st.bwd_prefetch is None else named(st.bwd_prefetch),
-            implicit_forward_prefetch=named(st.fwd_next),
+            implicit_forward_prefetch=named(st.slot.fwd_next),
         )
     return out

@@ -4,20 +4,17 @@ all-gather spans those ``k`` ranks only."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+import torch.distributed as dist
 
-from fsdp2._core import collectives as C
-from fsdp2._core import debug as D
-from fsdp2._core.mesh import post_forward_group
+from fsdp2._core.mesh import MeshInfo, post_forward_group
+from fsdp2._core.transport import copy_out
 
-if TYPE_CHECKING:
-    from fsdp2._core.group import ParamGroup
+__all__ = ["SmallShard"]
 
 
 class SmallShard:
-    """A copy of the unsharded params sharded over ``size`` consecutive ranks,
+    """A copy of a group's unsharded params sharded over ``size`` consecutive ranks,
     kept between forward and backward for ``reshard_after_forward=size``.
 
     Rank ``j`` of the small group keeps block ``j`` of every rank-major unsharded
@@ -27,35 +24,29 @@ class SmallShard:
     bytes (their segments differ in dtype).
     """
 
-    def __init__(self, group: ParamGroup, size: int) -> None:
-        self.group = group
-        self.group_pg, self.rank = post_forward_group(group.info, size)
+    def __init__(self, info: MeshInfo, size: int) -> None:
+        self.group_pg: dist.ProcessGroup
+        self.group_pg, self.rank = post_forward_group(info, size)
         self.size = size
         self.flat: torch.Tensor | None = None
         self.split_sizes: list[int] = []
         self.dsts: list[torch.Tensor] = []
-        self.sources: list[torch.Tensor] = []
 
-    def keep(self) -> None:
-        """Keep this rank's blocks (the group must be unsharded)."""
-        # Plain groups: the layout is fixed until _init_unsharded makes a new _SmallShard.
-        # Extension outputs appear at the first all-gather (and after a reset): rebuild.
-        if not self.dsts or self.group.ext_params:
-            segs = self.group.unsharded_segments()
-            if self.group.ext_params:
-                segs = [s.view(torch.uint8) for s in segs]
-            self.dsts = [s.view(self.size, s.numel() // self.size) for s in segs]
-            self.split_sizes = [d.size(1) for d in self.dsts]
-            self.sources = [d[self.rank] for d in self.dsts]
-        self.flat = torch.cat(self.sources)
+    def keep(self, segments: list[torch.Tensor], as_bytes: bool) -> None:
+        """Keep this rank's blocks of the unsharded ``segments`` (``(world, k)`` each,
+        allocated; ``as_bytes``: viewed as uint8)."""
+        if as_bytes:
+            segments = [s.view(torch.uint8) for s in segments]
+        self.dsts = [s.view(self.size, s.numel() // self.size) for s in segments]
+        self.split_sizes = [d.size(1) for d in self.dsts]
+        self.flat = torch.cat([d[self.rank] for d in self.dsts])
 
-    def all_gather(self) -> C.Pending:
+    def take(self) -> torch.Tensor:
+        """The kept blocks (this rank's all-gather input), given up."""
         flat, self.flat = self.flat, None
         assert flat is not None
-        if D.is_debug():
-            what = f"{self.group.path} (its reshard_after_forward={self.size} copy)"
-            D.check("all-gather", what, flat.numel() * self.size, flat.dtype, self.group_pg)
-        return C.all_gather(flat, self.group_pg, self.size)
+        return flat
 
     def copy_out(self, output: torch.Tensor) -> None:
-        C.copy_out(output, self.split_sizes, self.dsts)
+        """Scatter the small group's ``(size, k)`` all-gather output into the segments."""
+        copy_out(output, self.split_sizes, self.dsts)

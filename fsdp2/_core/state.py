@@ -13,9 +13,10 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from fsdp2._core import relayout
 from fsdp2._core.group import ParamGroup
 from fsdp2._core.labels import hook
-from fsdp2._core.step import LEGAL_MOVES, StepContext, StepPhase, TrainingState
+from fsdp2._core.step import Slot, StepContext, StepPhase, TrainingState
 from fsdp2._core.tree_checks import check_materialized, validate_tree
 from fsdp2.api import MixedPrecisionPolicy
 
@@ -78,37 +79,21 @@ class FSDPState:
         self.ctx: StepContext | None = None
         self.is_root = False
         self.post_optim_event: torch.Event | None = None
-        self.backward_end_callbacks: list[Callable[[], None]] = []  # see _seam.on_backward_end
-        # prefetch: implicit (from last step's order) and explicit (setters) lists
-        self.fwd_next: list[FSDPState] = []
-        self.bwd_next: list[FSDPState] = []
+        # its place in the step (what the step layer sees: step.py's Slot)
+        self.slot = Slot(group, group.name if group is not None else type(modules[0]).__name__)
+        # explicit prefetch lists (setters); the implicit ones are the slot's
         self.fwd_prefetch: list[FSDPState] | None = None
         self.bwd_prefetch: list[FSDPState] | None = None
-        # this step
-        self.training_state = TrainingState.IDLE
-        self.post_backward_pending = 0  # registered post-backward nodes still to fire
-        self.untracked_calls = 0  # forward calls whose inputs needed no grad (no node)
         self._fwd_left: set[int] = set()  # fully_shard([a, b]): modules yet to run
         for m in modules:
             m.__dict__[STATE_ATTR] = self
             m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             m.register_forward_hook(self._post_forward)
 
-    def _to(self, new: TrainingState, event: str) -> None:
-        old = self.training_state
-        if new not in LEGAL_MOVES[old]:
-            name = self.group.name if self.group is not None else type(self.modules[0]).__name__
-            raise RuntimeError(
-                f"fsdp2: {event} of fully_shard({name}) while it is in {old.value}; this "
-                "order of hooks is not supported (please report it, with how the model "
-                "is called)"
-            )
-        self.training_state = new
-
-    def end_step(self) -> None:
-        self.training_state = TrainingState.IDLE
-        self.post_backward_pending = 0
-        self.untracked_calls = 0
+    @property
+    def path(self) -> str:
+        """Its group's module path (or its module's class), for labels and messages."""
+        return self.group.path if self.group is not None else type(self.modules[0]).__name__
 
     # ---- lazy init ---------------------------------------------------------------
 
@@ -122,12 +107,12 @@ class FSDPState:
                 if st is not None and id(st) not in seen:
                     seen.add(id(st))
                     states.append(st)
-        validate_tree(states)
-        for st in states:  # parameters replaced since fully_shard (e.g. after to_empty)
-            if st.group is not None:
-                st.group.adopt_registered()
-        check_materialized(states, self.modules)
-        ctx = StepContext(states)
+        groups = [st.group for st in states if st.group is not None]
+        validate_tree(groups)
+        for g in groups:  # parameters replaced since fully_shard (e.g. after to_empty)
+            relayout.adopt_registered(g)
+        check_materialized(groups, self.modules)
+        ctx = StepContext([st.slot for st in states])
         for st in states:
             st.ctx = ctx
             st.is_root = st is self
@@ -172,10 +157,12 @@ class FSDPState:
             if recompute:  # activation-checkpoint recompute
                 g.wait_for_unshard()
             else:
-                self._to(TrainingState.FORWARD, "forward")
-                ctx.fwd_order.append(self)
-                ctx.unshard(self, backward=False)
-                for nxt in self.fwd_prefetch if self.fwd_prefetch is not None else self.fwd_next:
+                self.slot.to(TrainingState.FORWARD, "forward")
+                ctx.fwd_order.append(self.slot)
+                ctx.unshard(self.slot, backward=False)
+                explicit = self.fwd_prefetch
+                targets = self.slot.fwd_next if explicit is None else [s.slot for s in explicit]
+                for nxt in targets:
                     if nxt.group is not None:
                         ctx.unshard(nxt, backward=False)
                 g.wait_for_unshard()
@@ -195,19 +182,19 @@ class FSDPState:
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if args and not kwargs and all(type(a) is torch.Tensor and a.requires_grad for a in args):
-            self.post_backward_pending += 1  # the common case: (x,) needing grad
+            self.slot.post_backward_pending += 1  # the common case: (x,) needing grad
             return _PostBackward.apply(self, *args), kwargs
         flat, spec = tree_flatten((args, kwargs))
         idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not idx:
             # This call's backward (if any) cannot be seen finishing: leave the
             # group's reduction to the final callback (see _post_backward_node_done).
-            self.untracked_calls += 1
+            self.slot.untracked_calls += 1
             return args, kwargs
         outs = _PostBackward.apply(self, *(flat[i] for i in idx))
         for i, t in zip(idx, outs, strict=True):
             flat[i] = t
-        self.post_backward_pending += 1
+        self.slot.post_backward_pending += 1
         return tree_unflatten(flat, spec)  # type: ignore[no-any-return]
 
     @_eager
@@ -228,13 +215,13 @@ class FSDPState:
             else:
                 done = True
             if done:
-                self._to(TrainingState.IDLE, "end of forward")
+                self.slot.to(TrainingState.IDLE, "end of forward")
                 if training:
                     g.after_forward()
                 else:
                     g.reshard()
             if training:
-                ctx.post_fwd_order.append(self)
+                ctx.post_fwd_order.append(self.slot)
         if training:
             self._register_pre_backward(output)
         if self.is_root:
@@ -276,36 +263,34 @@ class FSDPState:
         g = self.group
         if g is None or not g.gather.unshard_in_backward:
             return
-        self._to(TrainingState.PRE_BACKWARD, "backward")
+        self.slot.to(TrainingState.PRE_BACKWARD, "backward")
         # Even after this group's post-backward (e.g. an earlier call whose
         # inputs needed no grad registered no post-backward node): gather again;
         # the final callback reduces what arrives afterwards.
-        ctx.unshard(self, backward=True)
+        ctx.unshard(self.slot, backward=True)
         if self.bwd_prefetch is not None:
-            ctx.prefetch_for_backward(self.bwd_prefetch)
+            ctx.prefetch_for_backward([s.slot for s in self.bwd_prefetch])
         elif self.is_root:
-            ctx.defer_prefetch(self.bwd_next, g.grad_params)
+            ctx.defer_prefetch(self.slot.bwd_next, g.grad_params)
         else:
-            ctx.prefetch_for_backward(self.bwd_next)
+            ctx.prefetch_for_backward(self.slot.bwd_next)
         g.wait_for_unshard()
 
     def _post_backward_node_done(self) -> None:
-        self.post_backward_pending -= 1
+        slot = self.slot
+        slot.post_backward_pending -= 1
         # A call whose inputs needed no grad registered no node, yet its
         # backward may still be to come (fully_shard([a, b]) with ``a`` on the
         # data, or a module reused on the data): reduce once, at the end.
         if (
-            self.post_backward_pending <= 0
-            and self.training_state is not TrainingState.POST_BACKWARD
-            and not self.untracked_calls
+            slot.post_backward_pending <= 0
+            and slot.training_state is not TrainingState.POST_BACKWARD
+            and not slot.untracked_calls
         ):
             self.post_backward()
 
     @hook("post_backward")
     def post_backward(self) -> None:
         """Hand the group's gradients to reduction (queued on the step) and reshard."""
-        assert self.group is not None and self.ctx is not None
-        self._to(TrainingState.POST_BACKWARD, "post-backward")
-        part = self.group.post_backward()
-        if part is not None:
-            self.ctx.add_part(part)
+        assert self.ctx is not None
+        self.ctx.post_backward(self.slot)

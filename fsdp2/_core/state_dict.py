@@ -2,7 +2,7 @@
 
 ``model.state_dict()`` returns the registered parameters, the sharded DTensors,
 under their original names (detached). A post-hook only re-wraps each value so
-that its wrapper has storage offset 0 (see ``_param._wrap``: torch 2.13 cannot
+that its wrapper has storage offset 0 (see ``param._wrap``: torch 2.13 cannot
 pickle a DTensor whose local tensor is a view at an offset, which ours are;
 ``detach()`` builds a new wrapper). Loading, however, copies each
 value into its DTensor parameter, and a plain full tensor (a checkpoint of the
@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from fsdp2._core import relayout
 from fsdp2._core.group import ParamGroup
 from fsdp2._core.param import _wrap
 
@@ -61,7 +62,7 @@ class _AdoptAssigned:
         self.group = group
 
     def __call__(self, module: nn.Module, incompatible_keys: Any) -> None:
-        self.group.adopt_registered()
+        relayout.adopt_registered(self.group)
 
 
 class _ShardFullTensors:

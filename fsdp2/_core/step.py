@@ -1,6 +1,9 @@
 """What one root shares with every ``fully_shard`` state under it (``StepContext``): the
-step's phase (``StepPhase``) and order, each state's place in it (``TrainingState``), the
-all-gathers it starts (alone or bucketed), the reductions in flight and the final callback.
+step's phase (``StepPhase``) and order, each state's place in it (a ``Slot``: its group,
+``TrainingState``, prefetch links, gradient state), the all-gathers it starts (alone or
+bucketed), the reductions in flight and the final callback. The state layer above
+(state.py) owns one ``Slot`` per ``fully_shard`` call and calls down; nothing here calls
+up: the slot is the whole contract between the two layers.
 
 # [Note: one step]
 # pre-forward:   unshard this group (issue all-gather), prefetch the group that
@@ -50,21 +53,32 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd import Variable
 
-from fsdp2._core import collectives as C
-from fsdp2._core import debug as D
-from fsdp2._core import reduce as R
-from fsdp2._core.group import Sharded
+from fsdp2._core import relayout
+from fsdp2._core.collectives import all_gather
+from fsdp2._core.group import ParamGroup, Sharded
 from fsdp2._core.labels import label
-from fsdp2._core.reduce import Reduction
+from fsdp2._core.observe import HUB
+from fsdp2._core.reduce import (
+    GradState,
+    Part,
+    Reduction,
+    accumulate_in_reduce_dtype,
+    bucket_key,
+    has_unreduced_grads,
+    reduce,
+    take_grads,
+)
 
 if TYPE_CHECKING:
     from fsdp2._core.param import FSDPParam
-    from fsdp2._core.state import FSDPState
+
+__all__ = ["LEGAL_MOVES", "Slot", "StepContext", "StepPhase", "TrainingState"]
 
 
 class StepPhase(enum.Enum):
@@ -96,20 +110,66 @@ LEGAL_MOVES: dict[TrainingState, frozenset[TrainingState]] = {
 }
 
 
-class StepContext:
-    """What all states under one root share."""
+class Slot:
+    """One ``fully_shard`` call's place in its root's step: all the step layer reads or
+    writes of it. The state layer (``FSDPState``) owns one and moves it through the step
+    with ``StepContext``'s methods."""
 
-    def __init__(self, states: list[FSDPState]) -> None:
-        self.states = states
-        self.with_group = [s for s in states if s.group is not None]
+    __slots__ = (
+        "group",
+        "name",
+        "training_state",
+        "fwd_next",
+        "bwd_next",
+        "post_backward_pending",
+        "untracked_calls",
+        "on_backward_end",
+        "grads",
+    )
+
+    def __init__(self, group: ParamGroup | None, name: str) -> None:
+        self.group = group
+        self.name = name  # for messages
+        self.training_state = TrainingState.IDLE
+        # implicit prefetch: the slot that ran next in the last forward / comes next in
+        # backward (from the last post-forward order)
+        self.fwd_next: list[Slot] = []
+        self.bwd_next: list[Slot] = []
+        self.post_backward_pending = 0  # registered post-backward nodes still to fire
+        self.untracked_calls = 0  # forward calls whose inputs needed no grad (no node)
+        self.on_backward_end: list[Callable[[], None]] = []  # see seam.on_backward_end
+        self.grads = GradState()
+
+    def to(self, new: TrainingState, event: str) -> None:
+        old = self.training_state
+        if new not in LEGAL_MOVES[old]:
+            raise RuntimeError(
+                f"fsdp2: {event} of fully_shard({self.name}) while it is in {old.value}; "
+                "this order of hooks is not supported (please report it, with how the "
+                "model is called)"
+            )
+        self.training_state = new
+
+    def end_step(self) -> None:
+        self.training_state = TrainingState.IDLE
+        self.post_backward_pending = 0
+        self.untracked_calls = 0
+
+
+class StepContext:
+    """What all slots under one root share."""
+
+    def __init__(self, slots: list[Slot]) -> None:
+        self.slots = slots
+        self.with_group = [s for s in slots if s.group is not None]
         self.phase = StepPhase.IDLE
-        self.fwd_order: list[FSDPState] = []
-        self.post_fwd_order: list[FSDPState] = []
+        self.fwd_order: list[Slot] = []
+        self.post_fwd_order: list[Slot] = []
         self.reductions: deque[Reduction] = deque()
         self.pending_d2h = False
         # gradients waiting for a bucketed reduce-scatter: their groups' common key and
         # budget, their packed bytes so far
-        self.parts: list[R.Part] = []
+        self.parts: list[Part] = []
         self.parts_key: tuple[Any, ...] | None = None
         self.parts_budget = 0
         self.parts_bytes = 0
@@ -117,7 +177,7 @@ class StepContext:
 
     # ---- all-gathers -----------------------------------------------------------
 
-    def unshard(self, st: FSDPState, backward: bool) -> None:
+    def unshard(self, st: Slot, backward: bool) -> None:
         """Issue ``st``'s group's all-gather if it needs one: alone, or with a bucket of
         the groups expected to run after it (see [Note: buckets])."""
         g = st.group
@@ -150,23 +210,17 @@ class StepContext:
             g.unshard()
             return
         paths = lambda: "bucket " + ", ".join(h.path for h in bucket)  # noqa: E731
-        with label("copy_in", paths):
-            inputs = [h.gather_input() for h in bucket]
-        if D.is_debug():
-            what = "the bucket of " + ", ".join(h.path for h in bucket)
-            numel = sum(x.numel() for x in inputs) * g.world
-            D.check("all-gather", what, numel, inputs[0].dtype, key[0])
-        with label("all_gather issue", paths):
-            pendings = C.all_gather_bucket(inputs, key[0], g.world)
+        inputs = lambda: [h.gather_input() for h in bucket]  # noqa: E731
+        pendings = all_gather(inputs, key[0], g.world, paths)
         for h, pending in zip(bucket, pendings, strict=True):
             h.gather_issued(pending)
 
-    def prefetch_for_backward(self, states: list[FSDPState]) -> None:
+    def prefetch_for_backward(self, states: list[Slot]) -> None:
         for nxt in states:
             if gathers_in_backward(nxt):
                 self.unshard(nxt, backward=True)
 
-    def defer_prefetch(self, states: list[FSDPState], params: list[FSDPParam]) -> None:
+    def defer_prefetch(self, states: list[Slot], params: list[FSDPParam]) -> None:
         """The root's implicit backward prefetch, issued when the first of the root's
         parameters gets its gradient instead of at once; see [Note: root prefetch]."""
         ts = [p.unsharded for p in params if p.unsharded is not None]
@@ -207,17 +261,17 @@ class StepContext:
             self.pending_d2h = True  # synchronized by the final callback
         return done
 
-    def add_part(self, part: R.Part) -> None:
+    def add_part(self, part: Part) -> None:
         """Reduce a group's gradients: at once, or in a bucket with the next groups'
         (flushed when full, when a group of other settings comes, and at the end of
         backward)."""
-        key = R.bucket_key(part.group)  # not None: the group has a budget
+        key = bucket_key(part.group)  # not None: the group has a budget
         if self.parts and (
             key != self.parts_key or self.parts_bytes + part.nbytes > self.parts_budget
         ):
             self.flush_parts()
         if key is None:
-            self.add_reduction(R.reduce([part]))
+            self.add_reduction(reduce([part]))
             return
         if not self.parts:
             self.parts_key, self.parts_budget = key, part.group.reduce.bucket_bytes or 0
@@ -230,7 +284,7 @@ class StepContext:
         """Issue the reduce-scatter of the bucket of gradients collected so far."""
         if self.parts:
             parts, self.parts, self.parts_bytes = self.parts, [], 0
-            self.add_reduction(R.reduce(parts))
+            self.add_reduction(reduce(parts))
 
     def drain_reductions(self) -> None:
         q = self.reductions
@@ -244,7 +298,8 @@ class StepContext:
         """The root's forward starts. From FORWARD too: a forward that raised (or a
         root forward nested in a registered method) just starts over."""
         self.phase = StepPhase.FORWARD
-        D.note_phase("forward", new_step=True)
+        if HUB.observers:
+            HUB.step_phase("forward", new_step=True)
         self.fwd_order = []
         self.post_fwd_order = []
         for st in self.with_group:
@@ -252,8 +307,8 @@ class StepContext:
             assert g is not None
             if g.sharded_state is Sharded.SMALL:  # its backward never came: may be stale
                 g.reshard()
-            if g.sharded_state is Sharded.SHARDED:
-                g.adopt_patched_hooks()  # all-gather hooks given to local tensors since
+            if g.sharded_state is Sharded.SHARDED and relayout.hooks_patched(g):
+                relayout.adopt_patched_hooks(g)  # all-gather hooks given to local tensors since
 
     def end_forward(self) -> None:
         """The root's forward ends: link each state to the one that ran after it (next
@@ -280,7 +335,8 @@ class StepContext:
                 "gradients once per backward of a finished forward and cannot do that"
             )
         self.phase = StepPhase.BACKWARD
-        D.note_phase("backward")
+        if HUB.observers:
+            HUB.step_phase("backward")
         order = self.post_fwd_order
         for i, st in enumerate(order):  # later occurrences win: backward runs them first
             st.bwd_next = [order[i - 1]] if i > 0 else []
@@ -310,7 +366,8 @@ class StepContext:
         for st in self.with_group:
             assert st.group is not None
             st.group.reshard()
-            st.group.discard_grads()
+            st.group.drop_unsharded_grads()  # unreduced gradients: unsharded, no-sync sums,
+            st.grads.clear()  # HSDP partial sums
             st.end_step()
         self.phase = StepPhase.IDLE
         self.fwd_order = []
@@ -322,12 +379,14 @@ class StepContext:
             self._finish_backward()
 
     def _finish_backward(self) -> None:
-        D.note_phase("final callback of the backward")
+        if HUB.observers:
+            HUB.step_phase("final callback of the backward")
         self.cancel_deferred_prefetch()
         for st in self.with_group:
             assert st.group is not None
-            if st.group.has_unreduced_grads():  # reduce, or (no sync) accumulate
-                st.post_backward()
+            if has_unreduced_grads(st.group, st.grads):  # reduce, or (no sync) accumulate
+                with label("hook post_backward", st.group.path):
+                    self.post_backward(st)
         self.flush_parts()
         self.drain_reductions()
         if self.pending_d2h:  # offloaded grads copied asynchronously into pinned memory
@@ -339,13 +398,32 @@ class StepContext:
                 st.group.reshard()
             st.end_step()
         self.phase = StepPhase.IDLE
-        D.note_phase("time between steps")
-        for st in self.states:
-            for callback in st.backward_end_callbacks:
+        if HUB.observers:
+            HUB.step_phase("time between steps")
+        for st in self.slots:
+            for callback in st.on_backward_end:
                 callback()
 
+    def post_backward(self, st: Slot) -> None:
+        """``st``'s backward is done: hand its group's gradients to reduction (alone or in
+        a bucket) or, without gradient sync, add them to its no-sync sums; then reshard."""
+        g = st.group
+        assert g is not None
+        st.to(TrainingState.POST_BACKWARD, "post-backward")
+        if HUB.observers:
+            u = [p.unsharded for p in g.grad_params]
+            HUB.gradients_taken([t.grad for t in u if t is not None and t.grad is not None])
+        part = None
+        if g.reduce.sync:
+            part = take_grads(g, st.grads)
+        elif g.reduce_dtype is not None:
+            accumulate_in_reduce_dtype(g, st.grads)
+        g.after_backward()
+        if part is not None:
+            self.add_part(part)
 
-def gathers_in_backward(st: FSDPState) -> bool:
+
+def gathers_in_backward(st: Slot) -> bool:
     """Whether ``st``'s group is still to be gathered for this backward. A group with no
     trainable params whose inputs needed no grad has no backward at all."""
     g = st.group

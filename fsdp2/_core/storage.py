@@ -3,32 +3,30 @@ every view of it) stays valid. See [Note: flat storage] in param.py."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-# While ``fsdp2.estimate_memory`` simulates a step: its tracker, told of every resize
-# (resizing a storage is not an operator its dispatch mode sees).
-watch: Any = None
+from fsdp2._core.observe import HUB
 
 
-def free_storage(t: torch.Tensor) -> None:
-    """Release ``t``'s storage (resize to 0 bytes); views of it stay valid objects."""
+def free_storage(t: torch.Tensor, owner: str) -> None:
+    """Release ``t``'s storage (resize to 0 bytes); views of it stay valid objects.
+    Observers are told (resizing is not an operator a dispatch mode sees), with ``owner``
+    (the group's path)."""
     storage = t.untyped_storage()
     if storage.nbytes() and t.device.type != "meta":
         storage.resize_(0)
-        if watch is not None:
-            watch.resized(t)
+        if HUB.observers:
+            HUB.resized(t, owner)
 
 
-def alloc_storage(t: torch.Tensor) -> None:
+def alloc_storage(t: torch.Tensor, owner: str) -> None:
     """Give ``t``'s storage its bytes back after ``free_storage`` (contents undefined)."""
     storage = t.untyped_storage()
     nbytes = t.numel() * t.element_size()
     if storage.nbytes() != nbytes and t.device.type != "meta":
         storage.resize_(nbytes)
-        if watch is not None:
-            watch.resized(t)
+        if HUB.observers:
+            HUB.resized(t, owner)
 
 
 def contiguous_stride(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:

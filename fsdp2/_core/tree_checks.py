@@ -9,13 +9,13 @@ import torch
 import torch.nn as nn
 
 if TYPE_CHECKING:
-    from fsdp2._core.state import FSDPState
+    from fsdp2._core.group import ParamGroup
 
 
-def check_materialized(states: list[FSDPState], roots: list[nn.Module]) -> None:
+def check_materialized(groups: list[ParamGroup], roots: list[nn.Module]) -> None:
     """Parameters left on the meta device cannot be gathered: say which (full names),
     before any collective (torch's FSDP2 raises RuntimeError here too)."""
-    meta = [p.sharded for st in states if st.group for p in st.group.params if p.sharded.is_meta]
+    meta = [p.sharded for g in groups for p in g.params if p.sharded.is_meta]
     if meta:
         names = {id(t): n for root in roots for n, t in root.named_parameters()}
         on_meta = [names.get(id(t), "?") for t in meta]
@@ -29,13 +29,11 @@ def check_materialized(states: list[FSDPState], roots: list[nn.Module]) -> None:
         )
 
 
-def validate_tree(states: list[FSDPState]) -> None:
+def validate_tree(groups: list[ParamGroup]) -> None:
+    """Each parameter in one group, every group on one device (ValueError otherwise)."""
     owner: dict[int, str] = {}
     devices: dict[torch.device, str] = {}
-    for st in states:
-        if st.group is None:
-            continue
-        g = st.group
+    for g in groups:
         devices.setdefault(g.device, g.name)
         for p in g.params:
             key = id(p.sharded)

@@ -8,11 +8,11 @@ policies are accepted too (duck-typed: nothing here imports torch's FSDP1). See
 [Note: FSDP1 mapping].
 
 This module holds the configuration classes, ``shard_model`` and its meshes; the rest of the
-layer, re-exported here: ``_fsdp1_wrap`` (auto-wrap policies), ``_fsdp1_mixed_precision``
-(``MixedPrecision``'s hooks), ``_fsdp1_summon`` (``summon_full_params``),
-``_fsdp1_state_dict`` (state dict types and configs, model state dicts; [Note: FSDP1 state
-dicts]), ``_fsdp1_state_dict_type`` (the ``state_dict_type`` context), ``_fsdp1_optim``
-(optimizer state dicts; [Note: FSDP1 optimizer state dicts]) and ``_fsdp1_collectives``. The
+layer, re-exported here: ``_wrap.py`` (auto-wrap policies), ``_mixed_precision.py``
+(``MixedPrecision``'s hooks), ``_summon.py`` (``summon_full_params``), ``_state_dict.py``
+(state dict types and configs, model state dicts; [Note: FSDP1 state dicts]),
+``_state_dict_type.py`` (the ``state_dict_type`` context), ``_optim.py`` (optimizer state
+dicts; [Note: FSDP1 optimizer state dicts]) and ``_collectives.py``. The
 layer reaches the core only through fsdp2's public API and ``fsdp2._core.seam``.
 
 [Note: FSDP1 mapping]

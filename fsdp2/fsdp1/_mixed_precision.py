@@ -17,7 +17,7 @@ from fsdp2._core.seam import managed_params, on_backward_end
 
 class LowPrecisionGrads:
     """``MixedPrecision.keep_low_precision_grads``, as FSDP1: when a backward ends (in fsdp2's
-    backward-end hooks, ``_seam.on_backward_end``: after the gradients landed), the sharded
+    backward-end hooks, ``seam.on_backward_end``: after the gradients landed), the sharded
     parameters' gradients become ``param_dtype`` tensors (the parameters keep their dtype:
     ``grad_dtype`` is relaxed); when the next backward starts (the gradient of the root's
     outputs arrives) they are cast back, so that accumulation runs in full precision."""

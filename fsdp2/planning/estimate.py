@@ -26,49 +26,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
-from fsdp2._core import debug as _debug
-from fsdp2._core import labels as _labels
-from fsdp2._core import storage as _storage
-from fsdp2._core.seam import _states, compute_device
+from fsdp2._core.debug import is_debug, set_debug
+from fsdp2._core.observe import HUB
+from fsdp2._core.seam import compute_device
 from fsdp2._core.sharding import FSDPModule, fully_shard
-from fsdp2._core.state import FSDPState
 from fsdp2.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdp2.planning.tracker import PARTS, Tracker, sort_persistent
 
-__all__ = ["MemoryEstimate", "estimate_memory"]
-
-PARTS = (
-    "parameters (sharded)",
-    "parameters (unsharded)",
-    "gradients (sharded)",
-    "gradients (unsharded)",
-    "optimizer state",
-    "activations",
-    "communication buffers",
-    "other",
-)
-
-# [Note: simulated step]
-# Every storage the step creates gets a part when it is allocated, from where the
-# engine is: inside any of its labels (fsdp2/_core/labels.py: copy-in, all-gather, copy-out,
-# reshard, reduce-scatter, all-reduce) it is a communication buffer; in a forward it is
-# an activation; in a backward, outside the engine's labels, an activation's gradient
-# (counted with the activations); in the optimizer step, optimizer state (its temporaries
-# included); before the forward, "other" (the batch). The unsharded parameters are the
-# storages fsdp2 resizes (fsdp2/_core/storage.py tells the tracker). Two parts are known only
-# later, and move when they become known: a parameter's unsharded gradient (autograd
-# allocates it in the backward; it moves to "gradients (unsharded)" when the group's
-# post-backward hook takes it) and a reduce-scatter's output (moves to "gradients
-# (sharded)" once it is the sharded ``.grad``). What exists when the measured step starts
-# is sorted by identity: the sharded parameters, gradients, the optimizer's state; buffers
-# are "other".
-#
-# The simulated rank is rank 0, whose shards are the largest (dim-0 shards are
-# ``ceil(rows / world)`` rows, the last ranks get fewer or none).
+__all__ = ["PARTS", "MemoryEstimate", "estimate_memory"]
 
 
 def _fmt(n: float) -> str:
@@ -130,190 +97,6 @@ class MemoryEstimate:
                 host = _fmt(r.host_peak_bytes) if r.host_peak_bytes else "-"
                 lines.append(f"{r.settings:<{w}}  {_fmt(r.peak_bytes):>11}  {host:>11}")
         return "\n".join(lines)
-
-
-# ---- the tracker ----------------------------------------------------------------------
-
-
-class _Entry:
-    __slots__ = ("nbytes", "part", "ref")
-
-    def __init__(self, ref: StorageWeakRef, nbytes: int, part: str) -> None:
-        self.ref = ref
-        self.nbytes = nbytes
-        self.part = part
-
-
-class _Tracker(TorchDispatchMode):
-    """Live storages on the compute device (and the host), their parts, and the peak."""
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__()
-        self.device_type = device.type
-        self.entries: dict[int, _Entry] = {}  # by storage identity (its weak cdata)
-        self.host: dict[int, _Entry] = {}
-        self.upper = 0  # live bytes, counting the dead not yet swept: never below live
-        self.host_upper = 0  # the same on the host
-        self.phase = "setup"
-        self.where = "setup"
-        self.labels: list[str] = []
-        self.hooks: list[str] = []
-        self.unsharded: dict[int, str] = {}  # id(unsharded storage) -> group path, while alive
-        self.states: list[FSDPState] = []
-        self.params: list[nn.Parameter] = []
-        self.reset_peak()
-
-    # -- bookkeeping
-    def reset_peak(self) -> None:
-        self.sweep()
-        self.peak = -1
-        self.host_peak = 0
-        self.check_peak()
-
-    def sweep(self) -> None:
-        for table in (self.entries, self.host):
-            dead = [k for k, e in table.items() if e.ref.expired()]
-            for k in dead:
-                self._add(table, -table[k].nbytes)
-                del table[k]
-
-    def _add(self, table: dict[int, _Entry], nbytes: int) -> None:
-        if table is self.entries:
-            self.upper += nbytes
-        else:
-            self.host_upper += nbytes
-
-    def check_peak(self) -> None:
-        if self.upper <= self.peak and self.host_upper <= self.host_peak:
-            return
-        self.sweep()
-        self.host_peak = max(self.host_peak, self.host_upper)
-        if self.upper <= self.peak:
-            return
-        self.peak = self.upper
-        parts = dict.fromkeys(PARTS, 0)
-        for e in self.entries.values():
-            parts[e.part] += e.nbytes
-        self.peak_parts = parts
-        self.peak_where = self.where
-        self.peak_unsharded = tuple(dict.fromkeys(self.unsharded.values()))
-
-    def part_now(self) -> str:
-        if self.labels:
-            return "communication buffers"
-        if self.phase == "optimizer":
-            return "optimizer state"
-        if self.hooks and self.hooks[-1] in ("post_backward", "final_callback"):
-            return "gradients (sharded)"
-        if self.phase in ("forward", "backward"):
-            return "activations"
-        return "other"
-
-    def track(self, t: torch.Tensor, part: str | None = None, *, move: bool = False) -> None:
-        if isinstance(t, DTensor):
-            t = t._local_tensor
-        if type(t) is not torch.Tensor and not isinstance(t, torch._subclasses.FakeTensor):
-            if hasattr(t, "__tensor_flatten__"):  # e.g. a float8 weight: its inner tensors
-                for name in t.__tensor_flatten__()[0]:
-                    self.track(getattr(t, name), part, move=move)
-            return
-        storage = t.untyped_storage()
-        ref = StorageWeakRef(storage)
-        key = ref.cdata
-        table = self.entries if t.device.type == self.device_type else self.host
-        e = table.get(key)
-        if e is not None and e.ref.expired():  # a dead storage's address, reused
-            self._add(table, -e.nbytes)
-            del table[key]
-            e = None
-        if e is None:
-            nbytes = storage.nbytes()
-            table[key] = _Entry(ref, nbytes, part or self.part_now())
-            self._add(table, nbytes)
-        elif move and part is not None:
-            e.part = part
-
-    def resized(self, t: torch.Tensor) -> None:
-        """fsdp2 resized an unsharded parameter storage (``_storage``)."""
-        table = self.entries if t.device.type == self.device_type else self.host
-        key = StorageWeakRef(t.untyped_storage()).cdata
-        e = table.get(key)
-        nbytes = t.untyped_storage().nbytes()
-        if e is None:
-            self.track(t, "parameters (unsharded)")
-        else:
-            self._add(table, nbytes - e.nbytes)
-            e.nbytes = nbytes
-            e.part = "parameters (unsharded)"
-        if nbytes:
-            self.unsharded[id(t)] = self.path_of(t)
-        else:
-            self.unsharded.pop(id(t), None)
-        self.check_peak()
-
-    def path_of(self, t: torch.Tensor) -> str:
-        for st in self.states:
-            g = st.group
-            if g is None:
-                continue
-            if any(b is t for b in g.unsharded_bufs):
-                return g.path
-            for p in g.ext_params:  # tensor-subclass parameters' own outputs
-                if p.ext is not None and any(
-                    x is t for x in (*(p.ext.outputs or ()), *p.ext.to_free)
-                ):
-                    return g.path
-        return "?"
-
-    # -- the engine's labels and hooks (fsdp2/_core/labels.py)
-    @contextmanager
-    def label(self, kind: str) -> Iterator[None]:
-        self.labels.append(kind)
-        try:
-            yield
-        finally:
-            self.labels.pop()
-
-    @contextmanager
-    def hook(self, kind: str, state: FSDPState) -> Iterator[None]:
-        group = state.group
-        path = group.path if group is not None else type(state.modules[0]).__name__
-        if kind == "pre_forward":
-            self.phase = "forward" if self.phase != "backward" else "backward"
-            self.where = f"{'recompute' if self.phase == 'backward' else 'forward'} of {path}"
-        elif kind == "pre_backward":
-            self.phase = "backward"
-            self.where = f"backward of {path}"
-        elif kind == "post_backward":
-            self.where = f"post-backward of {path}"
-            if group is not None:  # its gradients, computed by autograd, are taken now
-                for p in group.grad_params:
-                    u = p.unsharded
-                    if u is not None and u.grad is not None:
-                        self.track(u.grad, "gradients (unsharded)", move=True)
-        elif kind == "final_callback":
-            self.where = "end of the backward"
-        self.hooks.append(kind)
-        try:
-            yield
-        finally:
-            self.hooks.pop()
-            if kind in ("post_backward", "final_callback"):
-                self.sharded_grads_landed()
-
-    def sharded_grads_landed(self) -> None:
-        for p in self.params:
-            if p.grad is not None:
-                self.track(p.grad, "gradients (sharded)", move=True)
-
-    # -- every operator
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.track(t)
-        self.check_peak()
-        return out
 
 
 # ---- the simulation -------------------------------------------------------------------
@@ -417,15 +200,14 @@ def _fake_world(world_size: int) -> Iterator[None]:
 
 
 @contextmanager
-def _watching(tracker: _Tracker) -> Iterator[None]:
-    was_debug = _debug.is_debug()
-    _labels.watch = _storage.watch = tracker
-    _debug.set_debug(False)  # its checks talk to the store; nothing to check here
+def _watching(tracker: Tracker) -> Iterator[None]:
+    was_debug = is_debug()
+    set_debug(False)  # its checks talk to the store; nothing to check here
     try:
-        yield
+        with HUB.observing(tracker):
+            yield
     finally:
-        _labels.watch = _storage.watch = None
-        _debug.set_debug(was_debug)
+        set_debug(was_debug)
 
 
 def _fake_batch(batch: Any, device: torch.device) -> Any:
@@ -448,7 +230,7 @@ def _simulate(
 ) -> MemoryEstimate:
     device = torch.device(mesh.device_type)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    tracker = _Tracker(device)
+    tracker = Tracker(device)
     with fake_mode, _watching(tracker), tracker:
         model = build(mesh)
         if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
@@ -459,12 +241,11 @@ def _simulate(
                     m.set_reshard_after_forward(reshard, recurse=False)
         params = [p for p in model.parameters() if p.requires_grad]
         tracker.params = params
-        tracker.states = _states(model, recurse=True)
         opt = optimizer(params)
         steps = 2  # the first builds the optimizer's state and learns the prefetch order
         for i in range(steps):
             if i == steps - 1:
-                _sort_persistent(tracker, model, opt)
+                sort_persistent(tracker, model, opt)
                 tracker.reset_peak()
             tracker.phase = tracker.where = "setup"
             b = _fake_batch(batch, compute_device(model) or device)
@@ -496,23 +277,6 @@ def _simulate(
         mesh_shape=shape,
         device=device.type,
     )
-
-
-def _sort_persistent(tracker: _Tracker, model: nn.Module, opt: torch.optim.Optimizer) -> None:
-    tracker.sweep()
-    for e in (*tracker.entries.values(), *tracker.host.values()):
-        if e.part != "parameters (unsharded)":
-            e.part = "other"
-    for p in model.parameters():
-        tracker.track(p, "parameters (sharded)", move=True)
-        if p.grad is not None:
-            tracker.track(p.grad, "gradients (sharded)", move=True)
-    for b in model.buffers():
-        tracker.track(b, "other", move=True)
-    for state in opt.state.values():
-        for v in state.values():
-            if isinstance(v, torch.Tensor):
-                tracker.track(v, "optimizer state", move=True)
 
 
 def estimate_memory(

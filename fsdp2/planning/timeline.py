@@ -22,6 +22,9 @@ rank, with a one-line summary of where the step's time went.
 # end of the wait that consumed it; the part of that spent waiting is the exposed part.
 # On CUDA the host view is what is measured (a host-side wait also stands for a stream
 # dependency); the GPU kernels are in the Chrome trace but not split into the summary.
+# The bytes of each collective come from the engine itself: the block subscribes an
+# observer ([Note: observation] in fsdp2/_core/observe.py) that adds up what this rank
+# sends into each collective it issues.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
 from fsdp2._core.labels import PREFIX
+from fsdp2._core.observe import HUB, Collective, Observer
 
 __all__ = ["Timeline", "timeline"]
 
@@ -53,7 +57,9 @@ class Timeline:
     its collectives: ``(op, start, end, issue, wait)`` with ``op`` one of ``all_gather``,
     ``reduce_scatter``, ``all_reduce``, ``start`` / ``end`` from the step's start (issued,
     consumed), and ``issue`` / ``wait`` the seconds the step's thread spent issuing it and
-    waiting for it: its exposed part (see [Note: timeline])."""
+    waiting for it: its exposed part (see [Note: timeline]). ``comm_bytes`` maps each
+    collective kind to the bytes this rank sent into fsdp2's collectives of that kind (an
+    all-gather's input, a reduce-scatter's packed input, an all-reduce's tensor)."""
 
     rank: int = 0
     step_s: float = 0.0
@@ -61,6 +67,7 @@ class Timeline:
     exposed_comm_s: float = 0.0
     framework_s: float = 0.0
     collectives: dict[str, int] = field(default_factory=dict)
+    comm_bytes: dict[str, int] = field(default_factory=dict)
     lanes: dict[str, list[tuple[str, float, float, float, float]]] = field(default_factory=dict)
     main: list[tuple[str, float, float]] = field(default_factory=list)  # (kind, start, end)
     trace_path: str | None = None
@@ -102,7 +109,8 @@ def timeline(path: str | os.PathLike[str] | None = None, *, png: bool = True) ->
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
+    sent = _Sent(result.comm_bytes)
+    with profile(activities=activities) as prof, HUB.observing(sent):
         with record_function(_STEP):
             yield result
     trace = None
@@ -120,6 +128,18 @@ def timeline(path: str | os.PathLike[str] | None = None, *, png: bool = True) ->
     if path is not None and png:
         result.png_path = f"{os.fspath(path)}.rank{result.rank}.png"
         _draw(result, result.png_path)
+
+
+class _Sent(Observer):
+    """Adds up the bytes this rank sends into fsdp2's collectives, by kind."""
+
+    def __init__(self, into: dict[str, int]) -> None:
+        self.into = into
+
+    def collective(self, c: Collective) -> None:
+        op = c.kind.replace("-", "_")
+        numel = c.input_numel if c.kind == "all-gather" else c.numel
+        self.into[op] = self.into.get(op, 0) + numel * c.dtype.itemsize
 
 
 _Event = tuple[str, float, float, str]  # name, start us, end us, thread id
