@@ -64,7 +64,7 @@ def all_gather(
             inputs = inputs()
     if world == 1:
         return [Pending(x.view(1, -1), None) for x in inputs]
-    numel = sum(x.numel() for x in inputs)
+    numel = inputs[0].numel() if len(inputs) == 1 else sum(x.numel() for x in inputs)
     dtype, device = inputs[0].dtype, inputs[0].device
     exchange = comm is None and gloo.by_exchange(numel * dtype.itemsize, group, device)
     if HUB.observers:
@@ -120,7 +120,6 @@ def reduce_scatter(
     gloo reduce-scatter]). Once packed, ``grads`` is emptied (the caller's list too), so
     the gradients can be freed before the collective's own buffers are allocated."""
     device = grads[0].device
-    numel = sum(-(-g.size(0) // world) * (g.numel() // max(g.size(0), 1)) for g in grads) * world
     on_gloo = comm is None and gloo.is_gloo(group, device)
     straight = (
         on_gloo
@@ -136,6 +135,9 @@ def reduce_scatter(
             transport = "exchange" if two else "all_reduce"
         else:
             transport = compat.RS_API
+        numel = world * sum(
+            -(-g.size(0) // world) * (g.numel() // max(g.size(0), 1)) for g in grads
+        )
         c = Collective(
             "reduce-scatter", _text(what), numel, numel, dtype, group, world, transport, op
         )
