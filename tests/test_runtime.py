@@ -27,13 +27,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from _harness import run_on_ranks
-from helpers import check_grads, grads_of, mine, train_and_compare, world_mesh
+from helpers import WORLD_SIZES, check_grads, grads_of, mine, train_and_compare, world_mesh
 from models import ResidualBlock, ResidualNet, make_batch, shard_model
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp2 import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 
-WORLD_SIZES = [2, 4]
 IN, D, OUT = 5, 6, 3  # ResidualNet's sizes; D=6 on 4 ranks: chunks of 2, 2, 2, 0 rows
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # gradients and parameters
 LOSS_TOL = {"rtol": 1.3e-6, "atol": 1e-5}  # torch's defaults for fp32
