@@ -111,7 +111,7 @@ def _is_tied(model: nn.Module) -> bool:
 
 
 def _shard(model: nn.Module) -> nn.Module:
-    """As tests/test_hf.py: ``fully_shard`` every decoder layer, then the root."""
+    """As tests/integrations/test_hf.py: ``fully_shard`` every decoder layer, then the root."""
     mesh = world_mesh()
     for layer in model.model.layers:
         fsdp2.fully_shard(layer, mesh=mesh)

@@ -10,7 +10,7 @@ collective, instead of silently unreduced gradients:
   (``torch.autograd.grad`` inside ``forward``) raises ``RuntimeError``.
 
 Activation-checkpoint recomputes (forwards inside backward) stay legal: see
-tests/test_peer_behaviours.py and the activation-checkpointing parity tests.
+tests/core/test_peer_behaviours.py and the activation-checkpointing parity tests.
 """
 
 from __future__ import annotations
