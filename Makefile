@@ -26,7 +26,7 @@ COMPAT_REQS = $(shell $(PYTHON) -c "import tomllib; p = tomllib.load(open('pypro
 	p['optional-dependencies']['test']))")
 COMPAT_TESTS ?= tests/core/test_parity.py tests/core/test_mixed_precision.py \
 	tests/core/test_meta_init.py tests/checkpoint/test_torch_state_dict.py \
-	tests/checkpoint/test_full_checkpoint.py tests/integrations/test_compile.py \
+	tests/checkpoint/test_full_checkpoint_*.py tests/integrations/test_compile.py \
 	tests/integrations/test_torchao.py::test_float8_llama_parity
 
 # `make gpu-check`: on a GPU machine with its own torch (no venv there: python3), or on the
