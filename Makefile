@@ -24,9 +24,10 @@ COMPAT_STAMP := .installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 COMPAT_REQS = $(shell $(PYTHON) -c "import tomllib; p = tomllib.load(open('pyproject.toml', \
 	'rb'))['project']; print(' '.join(repr(r) for r in p['dependencies'] + \
 	p['optional-dependencies']['test']))")
-COMPAT_TESTS ?= tests/test_parity.py tests/test_mixed_precision.py tests/test_meta_init.py \
-	tests/test_checkpoint.py tests/test_full_checkpoint.py tests/test_compile.py \
-	tests/test_torchao.py::test_float8_llama_parity
+COMPAT_TESTS ?= tests/core/test_parity.py tests/core/test_mixed_precision.py \
+	tests/core/test_meta_init.py tests/checkpoint/test_torch_state_dict.py \
+	tests/checkpoint/test_full_checkpoint_*.py tests/integrations/test_compile.py \
+	tests/integrations/test_torchao.py::test_float8_llama_parity
 
 # `make gpu-check`: on a GPU machine with its own torch (no venv there: python3), or on the
 # CPU with DEVICE=cpu (CI); results in $(OUT)/gpu-check.md (benchmarks/gpu_check.py).

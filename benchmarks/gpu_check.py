@@ -7,7 +7,7 @@ installed: the repository root goes on ``PYTHONPATH``), this runs
    training run repeated ``--repeats`` times (``FSDP2_GPU_REPEATS``): world size 1 on NCCL,
    parity with torch's FSDP2 and the unsharded model, streams and events, CPU offload with
    pinned memory, the process group's allocator, checkpoints, the CUDA memory estimate, the
-   timeline (``tests/test_gpu.py``, ``tests/test_offload.py``);
+   timeline (``tests/core/test_gpu.py``, ``tests/core/test_offload.py``);
 2. the numbers of ``benchmarks/gpu_bench.py``: ``step`` (world size 1 against the unsharded
    model and torch's FSDP2), ``memory`` (rank 0 of 8 through the fake process group, ~1B
    parameters) and ``offload`` (``CPUOffloadPolicy``);
@@ -50,13 +50,16 @@ def gpu_test_files() -> list[str]:
     """The test files holding ``gpu``-marked tests (only these are collected: the others may
     import packages the GPU machine lacks)."""
     files = []
-    for name in sorted(os.listdir(TESTS)):
-        if name.startswith("test_") and name.endswith(".py"):
-            with open(os.path.join(TESTS, name)) as f:
-                text = f.read()
-            if "pytest.mark.gpu" in text:
-                files.append(os.path.join("tests", name))
-    return files
+    for folder, dirs, names in os.walk(TESTS):  # tests/ and its subfolders (tests/core/...)
+        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__")))
+        for name in sorted(names):
+            if name.startswith("test_") and name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path) as f:
+                    text = f.read()
+                if "pytest.mark.gpu" in text:
+                    files.append(os.path.relpath(path, ROOT))
+    return sorted(files)
 
 
 def _cuda_environment(env: dict[str, Any]) -> None:

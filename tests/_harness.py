@@ -8,7 +8,9 @@ Spawning processes and forming a process group costs seconds on a 2-core machine
 world size keeps a pool of persistent workers ('spawn' context, daemonic, one thread for
 torch, default process group initialized once). A task is ``(fn, args)`` pickled once in
 the parent, so ``fn`` must be a module-level function, pickled by reference; workers import
-test modules from ``tests/``. Results travel back pickled, so return plain data or CPU
+test modules by the name pytest gave them (pytest puts each test file's folder, e.g.
+``tests/core/``, on ``sys.path``, which 'spawn' hands to the workers; ``tests/`` itself is
+added in ``_worker_main``). Results travel back pickled, so return plain data or CPU
 tensors (detached; a DTensor does not pickle: return ``.full_tensor()`` or ``.to_local()``).
 
 A task that fails or times out discards its pool: after one rank raised, the others may be

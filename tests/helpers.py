@@ -46,7 +46,11 @@ import fsdp2
 
 __all__ = [
     "ENGINES",
+    "GROUPS",
+    "NAME",
+    "N_BLOCKS",
     "TOL",
+    "WORLD_SIZES",
     "assert_all_dtensors",
     "check_close",
     "check_close_run",
@@ -70,6 +74,11 @@ __all__ = [
 
 ENGINES: dict[str, Callable[..., Any]] = {"fsdp2": fsdp2.fully_shard, "torch": torch_fully_shard}
 TOL = {"atol": 1e-5, "rtol": 1e-5}
+WORLD_SIZES = [2, 4]  # the ranks most distributed tests run on
+# The model most engine tests train: ``build(NAME)``, N_BLOCKS MLP blocks and a head at the root.
+NAME = "mlp_head"
+N_BLOCKS = 3
+GROUPS = N_BLOCKS + 1  # the blocks and the root's head
 _FSDP_CLASSES = (fsdp2.FSDPModule, TorchFSDPModule)
 
 

@@ -1,4 +1,4 @@
-"""HSDP training launched by ``torchrun``: the worker script of ``tests/test_multinode.py``.
+"""HSDP training launched by ``torchrun``: the worker script of ``tests/core/test_multinode.py``.
 
 Usage: ``torchrun ... tests/multinode_train.py OUT_DIR``. Every rank trains a tiny seeded Llama,
 each block and the root sharded by ``fsdp2.fully_shard`` over the 2D mesh ``(replicate=2,

@@ -56,7 +56,7 @@ __all__ = [
 #   row (the copy lets the packed buffer go: gradients must not keep every rank's rows
 #   alive). gloo's all-reduce rows are bitwise its reduce-scatter's; a sum of our own
 #   over more than two ranks would not be (the order differs).
-# tests/test_gloo_reduce.py holds both at 2 and 4 ranks, SUM and AVG, fp32 and bf16.
+# tests/core/test_gloo_reduce.py holds both at 2 and 4 ranks, SUM and AVG, fp32 and bf16.
 # The exchange's sends carry their own tag, apart from users' point-to-point traffic.
 # Custom reduce-scatters (``set_custom_reduce_scatter``) are called as they are.
 

@@ -3,7 +3,7 @@
 in fsdp2/_core/collectives.py): no rank-major output to copy out of, no packed input to copy into.
 
 That is only right while the results are bitwise what the packed path gives, which is gloo's
-own (tests/test_gloo_reduce.py): checked here for the collectives alone, on gradient and
+own (tests/core/test_gloo_reduce.py): checked here for the collectives alone, on gradient and
 parameter shapes that exercise every branch (pieces sent alone and small ones together,
 rows that do not split evenly, a single row, empty and non-contiguous gradients, gradients
 to cast, SUM and AVG, fp32 and bf16, 2 and 4 ranks, a subgroup, several in flight), and

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from _harness import run_on_ranks
-from helpers import mine, world_mesh
+from helpers import WORLD_SIZES, mine, world_mesh
 from models import full_params
 from torch.distributed.tensor import DTensor
 
@@ -66,7 +66,6 @@ VOCAB = 99  # uneven shards of the embedding and the head: 50/49 on 2 ranks, 25x
 SMALL = 20_000  # bytes: 6 (tied) or 7 (untied) files; no single tensor exceeds it
 BATCH, SEQ = 4, 12
 INDEX = "model.safetensors.index.json"
-WORLD_SIZES = [2, 4]
 TIED = pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 
 
@@ -112,7 +111,7 @@ def _is_tied(model: nn.Module) -> bool:
 
 
 def _shard(model: nn.Module) -> nn.Module:
-    """As tests/test_hf.py: ``fully_shard`` every decoder layer, then the root."""
+    """As tests/integrations/test_hf.py: ``fully_shard`` every decoder layer, then the root."""
     mesh = world_mesh()
     for layer in model.model.layers:
         fsdp2.fully_shard(layer, mesh=mesh)

@@ -25,6 +25,8 @@ from _harness import run_on_ranks
 from comm_counter import CommCounter, shard_numel
 from helpers import (
     ENGINES,
+    NAME,
+    WORLD_SIZES,
     check_grads,
     check_params,
     check_same,
@@ -37,10 +39,6 @@ from torch.distributed.fsdp import register_fsdp_forward_method as torch_registe
 from torch.distributed.tensor import DTensor, Shard
 
 import fsdp2
-
-WORLD_SIZES = [2, 4]
-NAME = "mlp_head"
-
 
 # ---------------------------------------------------------------------------------------------
 # shard_placement_fn

@@ -28,6 +28,10 @@ from _harness import run_on_ranks
 from comm_counter import CommCounter, count_calls, prefetch_order, shard_numel
 from helpers import (
     ENGINES,
+    GROUPS,
+    N_BLOCKS,
+    NAME,
+    WORLD_SIZES,
     assert_all_dtensors,
     check_grads,
     check_params,
@@ -42,12 +46,6 @@ from models import MLPBlock, MLPStack, build, local_loss, make_batch, make_optim
 from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 
 import fsdp2
-
-WORLD_SIZES = [2, 4]
-NAME = "mlp_head"
-N_BLOCKS = 3
-GROUPS = N_BLOCKS + 1  # the blocks and the root's head
-
 
 # ---------------------------------------------------------------------------------------------
 # Explicit prefetch lists

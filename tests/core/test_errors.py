@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from _harness import run_on_ranks
+from helpers import WORLD_SIZES
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -31,8 +32,6 @@ from fsdp2 import (
     fully_shard,
     register_fsdp_forward_method,
 )
-
-WORLD_SIZES = [2, 4]
 
 
 class _TwoLinear(nn.Module):

@@ -6,7 +6,7 @@ keeping its own row. That is only right while the result is bitwise what gloo's
 bf16, on values spanning many magnitudes (so a different summation order would show). The
 engine-level consequence (fsdp2's gradients equal torch's FSDP2's bitwise at 2 and 4 ranks)
 is every parity test's; that fsdp2 takes these paths on gloo and still counts one
-reduce-scatter per group is ``tests/test_comm_counts.py``'s (``comm_counter`` counts them as
+reduce-scatter per group is ``tests/core/test_comm_counts.py``'s (``comm_counter`` counts them as
 RS).
 
 All-gathers on gloo of at least ``EXCHANGE_MIN_BYTES`` per rank go by sends and receives

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from _harness import run_on_ranks
-from helpers import ENGINES, TOL, check_close, hsdp_mesh, train_and_compare, world_mesh
+from helpers import ENGINES, TOL, WORLD_SIZES, check_close, hsdp_mesh, train_and_compare, world_mesh
 from models import TinyTransformer, full_params, shard_model
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -51,7 +51,6 @@ import fsdp2
 from fsdp2.models import Llama, LlamaConfig
 from fsdp2.models.llama import rotary_tables
 
-WORLD_SIZES = [2, 4]
 STEPS = 3
 PARAM_TOL = {"atol": 5e-5, "rtol": 1e-5}
 VOCAB, SEQ, GLOBAL_BATCH = 37, 8, 8

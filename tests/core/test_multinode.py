@@ -37,7 +37,7 @@ from typing import Any
 import pytest
 import torch
 
-_TESTS_DIR = Path(__file__).resolve().parent
+_TESTS_DIR = Path(__file__).resolve().parent.parent  # tests/ (this file is in tests/core/)
 _SCRIPT = _TESTS_DIR / "multinode_train.py"
 _TIMEOUT_S = 240.0  # per launch; a healthy one takes ~10 s
 _TOKEN_VAR = "FSDP2_MULTINODE_TEST_TOKEN"  # marks every process one launch started

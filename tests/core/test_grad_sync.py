@@ -32,6 +32,10 @@ from _harness import run_on_ranks
 from comm_counter import CommCounter, count_calls, spy_reduce_scatters
 from helpers import (
     ENGINES,
+    GROUPS,
+    N_BLOCKS,
+    NAME,
+    WORLD_SIZES,
     assert_all_dtensors,
     check_grads,
     check_params,
@@ -48,10 +52,6 @@ from helpers import (
 from models import build, local_loss, make_batch, make_optimizer
 from torch.distributed.tensor import Replicate, Shard
 
-WORLD_SIZES = [2, 4]
-NAME = "mlp_head"
-N_BLOCKS = 3
-GROUPS = N_BLOCKS + 1  # the blocks and the root's head
 K = 3  # microbatches per step in the accumulation tests
 
 

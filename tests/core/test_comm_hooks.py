@@ -28,6 +28,10 @@ from _harness import run_on_ranks
 from comm_counter import AG_API, RS_API, CommCounter, shard_numel
 from helpers import (
     ENGINES,
+    GROUPS,
+    N_BLOCKS,
+    NAME,
+    WORLD_SIZES,
     check_close,
     check_grads,
     check_params,
@@ -55,12 +59,6 @@ from torch.distributed.fsdp import share_comm_ctx as torch_share_comm_ctx
 from torch.distributed.tensor import DTensor
 
 import fsdp2
-
-WORLD_SIZES = [2, 4]
-NAME = "mlp_head"
-N_BLOCKS = 3
-GROUPS = N_BLOCKS + 1  # the blocks and the root's head
-
 
 # ---------------------------------------------------------------------------------------------
 # set_all_reduce_hook

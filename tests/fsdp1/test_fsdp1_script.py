@@ -53,12 +53,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from _harness import run_on_ranks
+from helpers import TOL
 from models import TransformerBlock, build, make_batch, mean_over_ranks, rank_slice
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 STEPS = 4
 SAVE_AT = 2  # the state dict is saved and reloaded before this step
-TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 
 class Config(NamedTuple):

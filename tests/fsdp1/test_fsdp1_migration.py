@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from _harness import run_on_ranks
+from helpers import TOL
 from models import (
     MLPBlock,
     build,
@@ -55,7 +56,6 @@ from fsdp2.fsdp1 import (
 )
 
 STEPS = 3
-TOL = {"atol": 1e-5, "rtol": 1e-5}
 MODEL = "mlp_head"  # blocks 7->5->3->1 (40, 18, 4 params) and a root head 1->2 (4 params)
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from _harness import run_on_ranks
+from helpers import WORLD_SIZES
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
@@ -25,9 +26,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp2 import fully_shard
 from fsdp2._core.param import chunk_rows
-
-WORLD_SIZES = [2, 4]
-
 
 # ---------------------------------------------------------------------------------------------
 # chunk_rows: pure

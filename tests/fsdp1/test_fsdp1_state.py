@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _harness import run_on_ranks
+from helpers import TOL, WORLD_SIZES
 from models import MLPBlock, build, full_params, local_loss, make_batch, rank_slice
 from torch.distributed.fsdp import FullStateDictConfig as TorchFullStateDictConfig
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
@@ -42,8 +43,6 @@ from fsdp2.fsdp1 import (
 )
 
 MODEL = "mlp_head"  # blocks 7->5->3->1 and a root head 1->2
-TOL = {"atol": 1e-5, "rtol": 1e-5}
-WORLD_SIZES = [2, 4]
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:

@@ -10,7 +10,8 @@ collective, instead of silently unreduced gradients:
   (``torch.autograd.grad`` inside ``forward``) raises ``RuntimeError``.
 
 Activation-checkpoint recomputes (forwards inside backward) stay legal: see
-tests/test_peer_behaviours.py and the activation-checkpointing parity tests.
+tests/core/test_peer_behaviours.py and the activation-checkpointing tests of
+tests/core/test_training_paths.py.
 """
 
 from __future__ import annotations

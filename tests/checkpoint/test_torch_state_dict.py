@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from _harness import run_on_ranks
-from helpers import ENGINES, hsdp_mesh, world_mesh
+from helpers import ENGINES, TOL, hsdp_mesh, world_mesh
 from models import (
     MLPStack,
     build,
@@ -63,7 +63,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-TOL = {"atol": 1e-5, "rtol": 1e-5}
 EXACT = {"atol": 0.0, "rtol": 0.0}
 MODEL_NAMES = ["mlp", "transformer"]  # uneven shards (empty ones on 4 ranks); a tied weight
 # name -> (world size, mesh shape); HSDP meshes need dim names for torch's fully_shard

@@ -45,7 +45,7 @@ def test_require_torch_names_the_version_and_the_feature() -> None:
 
 
 def test_pyproject_states_the_supported_range() -> None:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with open(os.path.join(root, "pyproject.toml")) as f:
         text = f.read()
     lo, hi = _compat.MIN_TORCH, _compat.MAX_TESTED_TORCH

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from _harness import run_on_ranks
+from helpers import TOL
 from models import (
     MLPBlock,
     TransformerBlock,
@@ -74,7 +75,6 @@ from fsdp2.fsdp1 import (
 )
 
 MODEL = "mlp_head"  # blocks 7->5->3->1 and a root head 1->2
-TOL = {"atol": 1e-5, "rtol": 1e-5}
 FULL = StateDictType.FULL_STATE_DICT
 SHARDED = StateDictType.SHARDED_STATE_DICT
 LOCAL = StateDictType.LOCAL_STATE_DICT

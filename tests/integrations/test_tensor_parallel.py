@@ -11,7 +11,7 @@ with ``fully_shard(block, mesh=dp_mesh)`` per block and on the root. The same is
   ``full_tensor()`` equals the unsharded model's parameter after init;
 * training: 3 AdamW steps, each rank on its data-parallel slice of a global batch: loss, full
   gradients and full parameters match a replicated unsharded model (fp32 tolerance) and
-  torch's engine (bitwise, as in ``test_parity.py``);
+  torch's engine (bitwise, as in ``tests/core/test_parity.py``);
 * meshes: FSDP ``(dp, tp) = (2, 2)`` and HSDP ``(replicate, shard, tp) = (1, 2, 2)`` and
   ``(2, 1, 2)``;
 * meta-device init (``parallelize_module`` and ``fully_shard`` on meta, ``to_empty``,
@@ -24,7 +24,7 @@ with ``fully_shard(block, mesh=dp_mesh)`` per block and on the root. The same is
 * ``.double()`` after ``fully_shard`` (fsdp2 only: torch's FSDP2 has no ``.to(dtype)`` after
   sharding) gives float64 unsharded TP parameters in forward and float64-exact gradients.
 
-Gradient clipping with FSDP + TP is in ``test_clip_grad_norm.py``.
+Gradient clipping with FSDP + TP is in ``tests/test_clip_grad_norm.py``.
 """
 
 from __future__ import annotations

@@ -30,13 +30,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from _harness import run_on_ranks
 from comm_counter import Call, CommCounter, count_calls, prefetch_order, shard_numel
-from helpers import ENGINES, mine, world_mesh
+from helpers import ENGINES, N_BLOCKS, mine, world_mesh
 from models import build, full_grads, local_loss, make_batch, shard_model
 from torch.distributed.tensor import DTensor
 
 from fsdp2._core.state import state_of
-
-N_BLOCKS = 3
 
 
 def _summary(calls: list[Call]) -> dict[tuple[str, str, int], int]:

@@ -35,7 +35,8 @@ from fsdp2._core.observe import HUB
 from fsdp2.models import Llama, LlamaConfig
 from fsdp2.planning.estimate import PARTS
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+_BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks")
+sys.path.insert(0, _BENCHMARKS)
 from _memory import peak_step_bytes  # noqa: E402
 from estimate import MLP  # noqa: E402  (the benchmark's MLP stack)
 

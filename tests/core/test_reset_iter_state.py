@@ -24,6 +24,10 @@ from _harness import run_on_ranks
 from comm_counter import CommCounter, count_calls
 from helpers import (
     ENGINES,
+    GROUPS,
+    N_BLOCKS,
+    NAME,
+    WORLD_SIZES,
     assert_all_dtensors,
     check_grads,
     check_params,
@@ -36,11 +40,6 @@ from helpers import (
     world_mesh,
 )
 from models import MLPBlock, build, local_loss, make_batch, make_optimizer, shard_model
-
-WORLD_SIZES = [2, 4]
-NAME = "mlp_head"
-N_BLOCKS = 3
-GROUPS = N_BLOCKS + 1  # the blocks and the root's head
 
 
 class _Boom(RuntimeError):
