@@ -120,7 +120,7 @@ def reduce_scatter(
     gloo reduce-scatter]). Once packed, ``grads`` is emptied (the caller's list too), so
     the gradients can be freed before the collective's own buffers are allocated."""
     device = grads[0].device
-    on_gloo = comm is None and gloo.is_gloo(group, device)
+    on_gloo = world > 1 and comm is None and gloo.is_gloo(group, device)
     straight = (
         on_gloo
         and pre is None

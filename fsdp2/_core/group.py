@@ -136,8 +136,9 @@ class ParamGroup(GroupLayout):
             self._pending_ag_small = True
             return
         into = None
-        if not self.ext_params and not self._dim_copies and self.gather.comm is None:
-            into = Into(self.split_sizes, self.row_dsts, self._alloc_unsharded)
+        if self.world > 1 and not self.ext_params and not self._dim_copies:
+            if self.gather.comm is None:  # may land in the rows (gloo)
+                into = Into(self.split_sizes, self.row_dsts, self._alloc_unsharded)
         [pending] = all_gather(
             self._gather_inputs,
             self.info.shard_group,
