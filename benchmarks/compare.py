@@ -20,8 +20,7 @@ model exactly as ``fsdp2`` does, stepped right after ``fsdp2`` in every repeat (
 ``--impls`` puts ``fsdp2_baseline``), to measure a change A/B in one run. Below the table
 it prints fsdp2 / fsdp2_baseline: the step ratio of the medians, the median and range of
 the per-repeat ratios (the two stepped back to back), and the peak-memory ratio. DIR's
-fsdp2 must import itself relatively (``from . import``): an absolute ``fsdp2`` import
-would silently run this checkout's code, so it is refused.
+fsdp2 is loaded by ``benchmarks/_baseline.py`` (either import style).
 
     git worktree add /tmp/before HEAD~1
     python benchmarks/compare.py --impls fsdp2,torch_fsdp2 --baseline /tmp/before
@@ -30,7 +29,7 @@ would silently run this checkout's code, so it is refused.
 from __future__ import annotations
 
 import argparse
-import ast
+import contextlib
 import functools
 import importlib.util
 import os
@@ -49,49 +48,13 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _baseline import BASELINE, load_baseline, runtime_fsdp2_imports  # noqa: E402
 from _memory import peak_step_bytes  # noqa: E402
 
 from fsdp2._core.observe import HUB, Collective, Observer  # noqa: E402
 from fsdp2.models import Llama, LlamaConfig, TransformerBlock  # noqa: E402
 
 IMPLS = ("fsdp2", "torch_fsdp2", "torch_fsdp1", "ddp", "single")
-BASELINE = "fsdp2_baseline"
-
-
-def absolute_fsdp2_imports(root: str) -> list[str]:
-    """``file:line`` of every absolute ``fsdp2`` import in ``root``/fsdp2: loaded as
-    ``fsdp2_baseline`` those would bind this checkout's modules, not the baseline's."""
-    pkg = os.path.join(root, "fsdp2")
-    found = []
-    for dirpath, _, files in os.walk(pkg):
-        for name in sorted(files):
-            if not name.endswith(".py"):
-                continue
-            path = os.path.join(dirpath, name)
-            with open(path, encoding="utf-8") as f:
-                tree = ast.parse(f.read(), path)
-            for node in ast.walk(tree):
-                if isinstance(node, ast.ImportFrom) and node.level == 0:
-                    mods = [node.module or ""]
-                elif isinstance(node, ast.Import):
-                    mods = [alias.name for alias in node.names]
-                else:
-                    continue
-                if any(m == "fsdp2" or m.startswith("fsdp2.") for m in mods):
-                    found.append(f"{os.path.relpath(path, root)}:{node.lineno}")
-    return found
-
-
-def load_baseline(root: str) -> None:
-    """Import ``root``/fsdp2 as the package ``fsdp2_baseline``."""
-    init = os.path.join(root, "fsdp2", "__init__.py")
-    spec = importlib.util.spec_from_file_location(
-        "fsdp2_baseline", init, submodule_search_locations=[os.path.dirname(init)]
-    )
-    assert spec is not None and spec.loader is not None, f"no fsdp2 package under {root}"
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fsdp2_baseline"] = module
-    spec.loader.exec_module(module)
 
 
 class _AllGathers(Observer):
@@ -131,7 +94,7 @@ def all_gather_bytes(fn) -> int:  # type: ignore[no-untyped-def]
     """Bytes of all-gather input this rank sends while ``fn()`` runs: fsdp2's through its
     observer interface, everyone else's (torch's, the baseline's) through ``torch.distributed``
     and the baseline's own gloo exchanges."""
-    fsdp2_seen = _AllGathers()
+    fsdp2_seen, baseline_seen = _AllGathers(), _AllGathers()
     sent = [0]
     patches = []
     for name in ("all_gather_single", "all_gather_into_tensor"):
@@ -140,12 +103,13 @@ def all_gather_bytes(fn) -> int:  # type: ignore[no-untyped-def]
             continue
 
         def counted(output, input, *a, _orig=orig, **k):  # type: ignore[no-untyped-def]
-            if not fsdp2_seen.depth:
+            if not (fsdp2_seen.depth or baseline_seen.depth):
                 sent[0] += input.numel() * input.element_size()
             return _orig(output, input, *a, **k)
 
         patches.append(mock.patch.object(dist, name, counted))
-    if BASELINE in sys.modules:  # an older fsdp2 (before the observer interface)
+    baseline_hub = getattr(sys.modules.get(f"{BASELINE}._core.observe"), "HUB", None)
+    if BASELINE in sys.modules and baseline_hub is None:  # before the observer interface
         mod = importlib.import_module(f"{BASELINE}._collectives")
         exchange = getattr(mod, "_all_gather_by_exchange", None)
         if exchange is not None:
@@ -166,12 +130,15 @@ def all_gather_bytes(fn) -> int:  # type: ignore[no-untyped-def]
     for patch in patches:
         patch.start()
     try:
-        with HUB.observing(fsdp2_seen):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(HUB.observing(fsdp2_seen))
+            if baseline_hub is not None:  # the baseline's own observer interface
+                stack.enter_context(baseline_hub.observing(baseline_seen))
             fn()
     finally:
         for patch in patches:
             patch.stop()
-    return sent[0] + fsdp2_seen.sent
+    return sent[0] + fsdp2_seen.sent + baseline_seen.sent
 
 
 def llama_config(args: argparse.Namespace) -> LlamaConfig:
@@ -370,13 +337,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.baseline:
         if not os.path.isfile(os.path.join(args.baseline, "fsdp2", "__init__.py")):
             ap.error(f"--baseline: no fsdp2 package under {args.baseline}")
-        absolute = absolute_fsdp2_imports(args.baseline)
-        if absolute:
-            ap.error(
-                f"--baseline: {args.baseline}'s fsdp2 imports fsdp2 absolutely "
-                f"({', '.join(absolute[:3])}{', ...' if len(absolute) > 3 else ''}); loaded "
-                f"as {BASELINE} it would run this checkout's code instead"
-            )
+        late = runtime_fsdp2_imports(args.baseline)
+        if late:
+            ap.error(f"--baseline: {args.baseline}'s fsdp2 imports fsdp2 in functions: {late}")
     mp.spawn(worker, args=(args,), nprocs=args.world_size)
 
 

@@ -15,7 +15,6 @@ commit) as a third implementation, to measure a change A/B in one run.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
@@ -27,22 +26,13 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _baseline import load_baseline  # noqa: E402
+
 
 def build(layers: int, dim: int) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), nn.ReLU()) for _ in range(layers)])
-
-
-def load_baseline(root: str) -> None:
-    """Import ``root``/fsdp2 as the package ``fsdp2_baseline``."""
-    init = os.path.join(root, "fsdp2", "__init__.py")
-    spec = importlib.util.spec_from_file_location(
-        "fsdp2_baseline", init, submodule_search_locations=[os.path.dirname(init)]
-    )
-    assert spec is not None and spec.loader is not None, f"no fsdp2 package under {root}"
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fsdp2_baseline"] = module
-    spec.loader.exec_module(module)
 
 
 def shard_with(impl: str, model: nn.Module, mesh, bucket_bytes: int | None = None) -> float:
