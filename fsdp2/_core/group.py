@@ -1,5 +1,7 @@
 """One parameter group: the params of one ``fully_shard`` call, gathered and
-reduced together. Owns unshard / wait / reshard and gradient reduction.
+reduced together. Owns unshard / wait / reshard over its storage (``GroupLayout``,
+layout.py) and the settings that drive them; its gradients are taken and reduced from
+above (reduce.py, driven by the step layer).
 
 # [Note: scalars]
 # torch's FSDP2 rejects 0-dim parameters; we replicate them instead. In the flat

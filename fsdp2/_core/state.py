@@ -1,7 +1,8 @@
-"""The state layer: per-``fully_shard`` hooks (``FSDPState``). What one root shares with
-every state under it (``StepContext``: the step's phase and order, all-gathers and
-reductions, the final callback) is in step.py; see [Note: one step] there. Groups below
-do storage and collectives when told; scheduling and step bookkeeping live here.
+"""The state layer: per-``fully_shard`` hooks (``FSDPState``) and lazy init. Each state
+owns a ``Slot`` (step.py), its place in the step: the one thing the step layer below sees
+of it. What one root shares with every state under it (``StepContext``: the step's phase
+and order, all-gathers and reductions, the final callback) is in step.py; see [Note: one
+step] there. Groups below do storage and collectives when told.
 """
 
 from __future__ import annotations
