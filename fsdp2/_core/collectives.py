@@ -119,20 +119,13 @@ def reduce_scatter(
     gloo straight in and out]); on more gloo ranks an all-reduce stands for it ([Note:
     gloo reduce-scatter]). Once packed, ``grads`` is emptied (the caller's list too), so
     the gradients can be freed before the collective's own buffers are allocated."""
-    device = grads[0].device
-    on_gloo = world > 1 and comm is None and gloo.is_gloo(group, device)
-    straight = (
-        on_gloo
-        and pre is None
-        and gloo.sends_grads_straight(group, world, device, op)
-        and gloo.sends_any_straight(grads, dtype)
-    )
+    on_gloo = world > 1 and comm is None and gloo.is_gloo(group, grads[0].device)
+    pair = on_gloo and gloo.pair_exchange(world, op)  # 2 gloo ranks: sends and receives
     if HUB.observers and world > 1:
         if comm is not None:
             transport = "custom"
         elif on_gloo:
-            two = world == 2 and op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
-            transport = "exchange" if two else "all_reduce"
+            transport = "exchange" if pair else "all_reduce"
         else:
             transport = compat.RS_API
         numel = world * sum(
@@ -142,7 +135,7 @@ def reduce_scatter(
             "reduce-scatter", _text(what), numel, numel, dtype, group, world, transport, op
         )
         HUB.collective(c)
-    if straight:
+    if pair and pre is None and gloo.sends_any_straight(grads, dtype):
         with label("reduce_scatter issue", what):
             pending = gloo.reduce_scatter_grads(grads, dtype, op, group)
         if pending is not None:
@@ -153,19 +146,23 @@ def reduce_scatter(
         if pre is not None:
             packed.div_(pre)
     with label("reduce_scatter issue", what):
-        return _reduce_scatter_packed(packed, group, op, comm)
+        return _reduce_scatter_packed(packed, group, op, comm, on_gloo, pair)
 
 
 def _reduce_scatter_packed(
-    input: torch.Tensor, group: dist.ProcessGroup, op: Any, comm: ReduceScatter | None
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    op: Any,
+    comm: ReduceScatter | None,
+    on_gloo: bool,
+    pair: bool,
 ) -> Pending:
     """Reduce-scatter a ``(world, numel)`` input; each rank gets ``numel`` elements."""
-    world = input.size(0)
-    if world == 1:
+    if input.size(0) == 1:
         return Pending(input.view(-1), None)
-    if comm is None and gloo.is_gloo(group, input.device):
-        if world == 2 and op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            return gloo.reduce_scatter_by_exchange(input, op, group)
+    if pair:
+        return gloo.reduce_scatter_by_exchange(input, op, group)
+    if on_gloo:
         work = gloo.reduce_scatter_by_all_reduce(input.view(-1), op, group)
         return Pending(input[group.rank()], work, input, copy=True)
     output = empty_buffer(input.size(1), input, input.dtype, comm)

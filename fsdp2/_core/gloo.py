@@ -19,11 +19,11 @@ __all__ = [
     "all_gather_into",
     "by_exchange",
     "is_gloo",
+    "pair_exchange",
     "reduce_scatter_by_all_reduce",
     "reduce_scatter_by_exchange",
     "reduce_scatter_grads",
     "sends_any_straight",
-    "sends_grads_straight",
 ]
 
 
@@ -268,12 +268,11 @@ class _ExchangeGrads:
         self.dsts, self.owns, self.small = [], [], None  # let the gradients go
 
 
-def sends_grads_straight(
-    group: dist.ProcessGroup, world_size: int, device: torch.device, op: Any
-) -> bool:
-    """Whether a reduce-scatter over ``group`` may go by ``reduce_scatter_grads``."""
-    sum_or_avg = op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
-    return world_size == 2 and sum_or_avg and is_gloo(group, device)
+def pair_exchange(world_size: int, op: Any) -> bool:
+    """Whether a gloo reduce-scatter over ``world_size`` ranks with ``op`` goes by one send
+    and one receive per rank (``reduce_scatter_grads`` or ``reduce_scatter_by_exchange``);
+    otherwise an all-reduce stands for it ([Note: gloo reduce-scatter])."""
+    return world_size == 2 and op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
 
 
 def _straight(grad: torch.Tensor, dtype: torch.dtype) -> bool:

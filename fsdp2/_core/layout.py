@@ -292,7 +292,10 @@ class GroupLayout:
 
     def unsharded_segments(self) -> list[torch.Tensor]:
         """Every unsharded byte of the group as ``(world, k)`` rank-major tensors
-        (allocated only while unsharded)."""
+        (allocated only while unsharded). A plain group's is the same list object until its
+        buffers are rebuilt (callers may cache what they derive from it)."""
+        if not self.ext_params:
+            return self.copy_dsts
         segs = list(self.copy_dsts)
         for p in self.ext_params:
             assert p.ext is not None

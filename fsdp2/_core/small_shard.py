@@ -31,15 +31,23 @@ class SmallShard:
         self.flat: torch.Tensor | None = None
         self.split_sizes: list[int] = []
         self.dsts: list[torch.Tensor] = []
+        self.sources: list[torch.Tensor] = []  # this rank's block of each segment
+        self._segments: list[torch.Tensor] | None = None  # what dsts were derived from
 
     def keep(self, segments: list[torch.Tensor], as_bytes: bool) -> None:
         """Keep this rank's blocks of the unsharded ``segments`` (``(world, k)`` each,
-        allocated; ``as_bytes``: viewed as uint8)."""
-        if as_bytes:
-            segments = [s.view(torch.uint8) for s in segments]
-        self.dsts = [s.view(self.size, s.numel() // self.size) for s in segments]
-        self.split_sizes = [d.size(1) for d in self.dsts]
-        self.flat = torch.cat([d[self.rank] for d in self.dsts])
+        allocated; ``as_bytes``: viewed as uint8). The views are derived again only when
+        ``segments`` is another list than last time (a plain group passes the same list
+        until its buffers are rebuilt; one with extension parameters a new one each time,
+        as their outputs appear at the first all-gather)."""
+        if segments is not self._segments:  # a new layout: derive the views again
+            self._segments = segments
+            if as_bytes:
+                segments = [s.view(torch.uint8) for s in segments]
+            self.dsts = [s.view(self.size, s.numel() // self.size) for s in segments]
+            self.split_sizes = [d.size(1) for d in self.dsts]
+            self.sources = [d[self.rank] for d in self.dsts]
+        self.flat = torch.cat(self.sources)
 
     def take(self) -> torch.Tensor:
         """The kept blocks (this rank's all-gather input), given up."""

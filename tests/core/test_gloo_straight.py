@@ -59,7 +59,7 @@ def _reduce_equal(dtype: torch.dtype) -> None:
         want = torch.empty(packed.size(1), dtype=dtype)
         dist.reduce_scatter_tensor(want, packed.view(-1).clone(), op=op)
         before = [x.clone() for x in grads]
-        assert gloo.sends_grads_straight(group, 2, grads[0].device, op)
+        assert gloo.is_gloo(group, grads[0].device) and gloo.pair_exchange(2, op)
         assert gloo.sends_any_straight(grads, dtype)  # so fsdp2's reduce-scatter goes straight
         with CommCounter() as counter:
             pending = collectives.reduce_scatter(list(grads), 2, dtype, group, "x", op=op)
