@@ -12,6 +12,7 @@ from fsdp2.api import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     ReduceScatter,
+    ShardPlacementResult,
 )
 from fsdp2.clip import clip_grad_norm_
 from fsdp2._core.sharding import (
@@ -34,6 +35,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "ReduceScatter",
+    "ShardPlacementResult",
     "Timeline",
     "UnshardHandle",
     "checkpoint",

@@ -22,6 +22,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "ReduceScatter",
+    "ShardPlacementResult",
 ]
 
 
@@ -142,6 +143,33 @@ class DataParallelMeshDims:
     def replicate_names(self) -> tuple[str, ...]:
         """``replicate`` as a tuple of names (empty if ``None``)."""
         return _dim_names("replicate", self.replicate)
+
+
+@dataclass(frozen=True, eq=False)
+class ShardPlacementResult:
+    """What ``shard_placement_fn`` may return to shard one parameter over a mesh of its
+    own (per-parameter meshes, e.g. mixture-of-experts weights over an expert-FSDP mesh
+    while the dense weights use the call's mesh).
+
+    One ``fully_shard`` call then holds one parameter group per process group: each
+    group has its own all-gather and reduce-scatter (and, for HSDP, all-reduce). Return
+    the same ``mesh`` object for every parameter of a group: two mesh objects with the
+    same process groups are an error.
+
+    Attributes:
+        placement: ``Shard(d)`` to shard on dim ``d``, ``None`` for dim 0.
+        mesh: a 1D mesh (FSDP), a 2D mesh (HSDP: replicate x shard), or with
+            ``dp_mesh_dims`` the full SPMD mesh the parameter is a DTensor on.
+        dp_mesh_dims: which dims of ``mesh`` are data parallel (as the ``fully_shard``
+            argument of the same name), or ``None``.
+
+    torch's own ``ShardPlacementResult(placement, mesh_info)`` objects are accepted too
+    (read by attribute), so code written for torch's ``fully_shard`` keeps working.
+    """
+
+    placement: Any  # torch.distributed.tensor.Shard | None
+    mesh: Any  # torch.distributed.device_mesh.DeviceMesh
+    dp_mesh_dims: DataParallelMeshDims | None = None
 
 
 class Comm(ABC):
