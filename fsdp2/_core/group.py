@@ -84,7 +84,11 @@ class ParamGroup(GroupLayout):
         offload_policy: OffloadPolicy,
         reshard_after_forward: bool | int,
         name: str,
+        mesh_tag: str = "",
     ) -> None:
+        # " (mesh efsdp)" when its fully_shard call has several groups: ends ``name``
+        # and ``path``, so that messages and timeline lanes tell the groups apart
+        self.mesh_tag = mesh_tag
         self.gather = GatherSettings(post_forward=reshard_after_forward)
         self.reduce = ReduceSettings()
         self.sharded_state = Sharded.SHARDED

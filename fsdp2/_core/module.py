@@ -52,8 +52,8 @@ class UnshardHandle:
         registered on the module and usable. Idempotent. A pending unshard is
         also waited by the module's next forward, so calling this is optional."""
         state, self._state = self._state, None
-        if state is not None and state.group is not None:
-            state.group.wait_if_pending()
+        for g in state.groups if state is not None else ():
+            g.wait_if_pending()
 
 
 class FSDPModule:
@@ -88,8 +88,8 @@ class FSDPModule:
         at once; the next forward of this module waits for it automatically.
         Follows the mixed-precision policy (gathers in ``param_dtype``)."""
         state = self._fsdp_state()
-        if state.group is not None:
-            state.group.unshard()
+        for g in state.groups:
+            g.unshard()
         handle = UnshardHandle(state)
         if async_op:
             return handle
@@ -99,9 +99,8 @@ class FSDPModule:
     def reshard(self) -> None:
         """Free the unsharded parameters (if allocated) and register the sharded
         ones. Not recursive."""
-        state = self._fsdp_state()
-        if state.group is not None:
-            state.group.reshard()
+        for g in self._fsdp_state().groups:
+            g.reshard()
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
@@ -158,7 +157,22 @@ class FSDPModule:
         self._fsdp_state().bwd_prefetch = _prefetch_states(modules)
 
     def _groups(self, recurse: bool = False) -> list[ParamGroup]:
-        return [st.group for st in self._fsdp_modules(recurse) if st.group is not None]
+        return [g for st in self._fsdp_modules(recurse) for g in st.groups]
+
+    def _one_group(self, method: str, what: str) -> None:
+        """Refuse ``method`` on a module whose ``fully_shard`` call made several groups
+        (per-parameter meshes), as torch's FSDP2 does: one ``what`` for several meshes
+        would be ambiguous."""
+        groups = self._groups()
+        if len(groups) > 1:
+            meshes = ", ".join(g.path for g in groups)
+            raise ValueError(
+                f"{method} is not supported on {type(self).__name__}: its fully_shard call "
+                f"has {len(groups)} parameter groups on different meshes (per-parameter "
+                f"meshes from shard_placement_fn: {meshes}), and the {what} would be "
+                "ambiguous across them. Shard the parameters that need it in a "
+                "fully_shard call of their own"
+            )
 
     def _update(
         self,
@@ -210,6 +224,7 @@ class FSDPModule:
         the stream to run the hook on; not allowed with HSDP. Not recursive."""
         if not callable(hook):
             raise TypeError(f"all-reduce hook must be callable, got {type(hook).__name__}")
+        self._one_group("set_all_reduce_hook", "hook")
         for g in self._groups():
             if stream is not None and g.info.replicate_group is not None:
                 raise ValueError("set_all_reduce_hook(stream=...) cannot be used with HSDP")
@@ -222,6 +237,7 @@ class FSDPModule:
             raise TypeError(
                 f"set_custom_all_gather expects an AllGather, got {type(comm).__name__}"
             )
+        self._one_group("set_custom_all_gather", "custom comm")
         self._update(False, gather={"comm": comm})
 
     def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
@@ -231,6 +247,7 @@ class FSDPModule:
             raise TypeError(
                 f"set_custom_reduce_scatter expects a ReduceScatter, got {type(comm).__name__}"
             )
+        self._one_group("set_custom_reduce_scatter", "custom comm")
         self._update(False, reduce={"comm": comm})
 
     def set_reduce_scatter_max_input_buffers(
@@ -337,9 +354,8 @@ class FSDPModule:
         # then move the converted shards back into the group's flat buffer.
         self.reshard()
         out = super()._apply(*args, **kwargs)  # type: ignore[misc]
-        for st in self._fsdp_modules(recurse=True):
-            if st.group is not None:
-                relayout.resync_after_apply(st.group)
+        for g in self._groups(recurse=True):
+            relayout.resync_after_apply(g)
         return out
 
 

@@ -68,12 +68,10 @@ def managed_params(
     registered ones."""
     out: list[ManagedParam] = []
     for st in _states(module, recurse):
-        group = st.group
-        if group is None:
-            continue
-        if reshard:
-            group.reshard()
-        out.extend(ManagedParam(p.sharded, tuple(p.owners)) for p in group.params)
+        for group in st.groups:
+            if reshard:
+                group.reshard()
+            out.extend(ManagedParam(p.sharded, tuple(p.owners)) for p in group.params)
     return out
 
 
@@ -81,8 +79,8 @@ def compute_device(module: nn.Module) -> torch.device | None:
     """The device the first ``fully_shard`` group in ``module``'s subtree computes on
     (``None`` without one)."""
     for st in _states(module, recurse=True):
-        if st.group is not None:
-            return st.group.device
+        if st.groups:
+            return st.groups[0].device
     return None
 
 
@@ -126,8 +124,8 @@ def unit_settings(root: nn.Module) -> dict[nn.Module, UnitSettings]:
     parameters, keyed by each module passed to it (in ``root.modules()`` order). Prefetch
     targets outside ``root``'s subtree are left out of the tuples."""
     states = _states(root, recurse=True)
-    first = {id(st): st.modules[0] for st in states if st.group is not None}
-    first.update({id(st.slot): st.modules[0] for st in states if st.group is not None})
+    first = {id(st): st.modules[0] for st in states if st.groups}
+    first.update({id(st.slot): st.modules[0] for st in states if st.groups})
 
     def named(targets: list[FSDPState] | list[Slot]) -> tuple[nn.Module, ...]:
         return tuple(first[id(t)] for t in targets if id(t) in first)
@@ -135,9 +133,9 @@ def unit_settings(root: nn.Module) -> dict[nn.Module, UnitSettings]:
     out: dict[nn.Module, UnitSettings] = {}
     for m in root.modules():
         st = state_of(m)
-        if st is None or st.group is None:
+        if st is None or not st.groups:
             continue
-        g = st.group
+        g = st.groups[0]  # the groups of one call share their settings
         out[m] = UnitSettings(
             reshard_after_forward=g.gather.post_forward,
             mp_policy=st.mp_policy,

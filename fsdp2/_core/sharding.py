@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, overload
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
@@ -25,7 +26,12 @@ from fsdp2._core.module import (
 from fsdp2._core.param import FSDPParam
 from fsdp2._core.state import FSDPState, state_of
 from fsdp2._core.state_dict import register_state_dict_hooks
-from fsdp2.api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from fsdp2.api import (
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardPlacementResult,
+)
 
 __all__ = [
     "FSDPModule",
@@ -161,23 +167,40 @@ def fully_shard(
         )
     ignored = _check_ignored(ignored_params)
     name = _group_name(modules)
-    params = _collect_params(modules, ignored, info, name, shard_placement_fn)
-    originals = [p.sharded for p in params]
-    group = None
-    if params:
+    found = _collect_params(modules, ignored, name)
+    placed = _place(found, info, mesh, dp_mesh_dims, name, shard_placement_fn)
+    layouts = list(placed.values())
+    sizes = {g.shard_size for g, _ in layouts if g is not info}
+    for size in sizes:  # a per-parameter mesh: validate against its own shard size
+        _post_forward_quietly(reshard_after_forward, size, name)
+    if len({g.device for g, _ in layouts} | {info.device}) > 1:
+        devices = ", ".join(sorted({str(g.device) for g, _ in layouts} | {str(info.device)}))
+        raise ValueError(
+            f"fully_shard({name}): shard_placement_fn named meshes on different devices "
+            f"({devices}); every mesh of one call must be on the call's device"
+        )
+    groups: list[ParamGroup] = []
+    for group_info, entries in layouts:
+        tag = _mesh_tag(group_info) if len(layouts) > 1 else ""
+        params = [FSDPParam(fqn, owners, p, group_info, dim) for fqn, p, owners, dim in entries]
+        originals = [p.sharded for p in params]
         group = ParamGroup(
             params,
-            info,
+            group_info,
             mp_policy=mp_policy,
             offload_policy=offload_policy,
-            reshard_after_forward=post_forward,
-            name=name,
+            reshard_after_forward=post_forward
+            if group_info is info
+            else _post_forward_quietly(reshard_after_forward, group_info.shard_size, name),
+            name=name + tag,
+            mesh_tag=tag,
         )
         register_state_dict_hooks(group)
         for orig in originals:  # sharing one with a later group is an error
             setattr(orig, _OWNER_ATTR, name)
+        groups.append(group)
     _move_buffers(modules, info.device)
-    FSDPState(modules, group, mp_policy, info.device, auto_reshard=reshard_after_forward is None)
+    FSDPState(modules, groups, mp_policy, info.device, auto_reshard=reshard_after_forward is None)
     for m in modules:
         m.__class__ = _fsdp_class(type(m))
     return module
@@ -203,6 +226,20 @@ def normalize_reshard_after_forward(value: object, shard_size: int) -> bool | in
         )
         return False
     return True if value == shard_size else value
+
+
+def _post_forward_quietly(value: object, shard_size: int, name: str) -> bool | int:
+    """``normalize_reshard_after_forward`` for one of a call's other meshes: warned once
+    already, and errors name the call."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return normalize_reshard_after_forward(value, shard_size)
+        except ValueError as e:
+            raise ValueError(
+                f"fully_shard({name}): {e} (a mesh named by shard_placement_fn has "
+                f"{shard_size} ranks to shard over)"
+            ) from None
 
 
 def _check_modules(module: object) -> list[nn.Module]:
@@ -266,12 +303,9 @@ def _managed_modules(modules: list[nn.Module]) -> Iterable[tuple[str, nn.Module]
 
 
 def _collect_params(
-    modules: list[nn.Module],
-    ignored: set[int],
-    info: MeshInfo,
-    name: str,
-    placement_fn: Callable[[nn.Parameter], Any] | None,
-) -> list[FSDPParam]:
+    modules: list[nn.Module], ignored: set[int], name: str
+) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:
+    """The parameters this call manages, each once: ``(fqn, parameter, owners)``."""
     by_id: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
     for path, m in _managed_modules(modules):
         for pname, p in m._parameters.items():
@@ -289,19 +323,130 @@ def _collect_params(
                     "fully_shard([a, b])"
                 )
             by_id[id(p)] = (fqn, p, [(m, pname)])
-    return [
-        FSDPParam(fqn, owners, p, info, _shard_dim(placement_fn, p, fqn, info, name))
-        for fqn, p, owners in by_id.values()
-    ]
+    return list(by_id.values())
 
 
-def _shard_dim(
-    fn: Callable[[nn.Parameter], Any] | None, p: nn.Parameter, fqn: str, info: MeshInfo, name: str
-) -> int:
-    if fn is None or p.dim() == 0:
-        return 0
-    placement = fn(p)
-    if placement is None:
+# [Note: per-parameter meshes]
+# ``shard_placement_fn(param)`` may return a ``ShardPlacementResult`` (ours, or torch's,
+# read by attribute) naming the mesh a parameter shards over. The call's parameters are
+# then grouped by ``(shard process group, replicate process group)``, in the order they
+# were found, and each group becomes a ``ParamGroup`` of its own with its own collectives
+# (the state's ``Slot`` holds them all; see [Note: several groups] in step.py). A mesh is
+# known by its object (with its ``dp_mesh_dims``): two mesh objects over the same process
+# groups are an error (which one's placements would the group's DTensors carry?), as in
+# torch. The call's own mesh is one of them, for parameters the function returns ``None``
+# or a ``Shard`` for.
+
+_Entry = tuple[str, nn.Parameter, list[tuple[nn.Module, str]], int]
+
+
+def _place(
+    found: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
+    info: MeshInfo,
+    mesh: DeviceMesh | None,
+    dims: DataParallelMeshDims | None,
+    name: str,
+    fn: Callable[[nn.Parameter], Any] | None,
+) -> dict[tuple[Any, ...], tuple[MeshInfo, list[_Entry]]]:
+    """Each parameter's shard dim and mesh, grouped by process groups (see
+    [Note: per-parameter meshes]). Raises before any collective."""
+    infos: dict[tuple[int, Any], MeshInfo] = {}
+    if mesh is not None:
+        infos[(id(mesh), _dims_key(dims))] = info
+    by_pgs: dict[tuple[Any, ...], tuple[MeshInfo, list[_Entry]]] = {}
+    for fqn, p, owners in found:
+        result = fn(p) if fn is not None else None
+        placement, p_info = result, info
+        if result is not None and not isinstance(result, Shard):
+            placement, p_mesh, p_dims = _result_fields(result, fqn, name)
+            key = (id(p_mesh), _dims_key(p_dims))
+            known = infos.get(key)
+            if known is None:
+                known = infos[key] = _mesh_info_of(p_mesh, p_dims, fqn, name)
+            p_info = known
+        dim = _shard_dim(placement, p, fqn, p_info, name)
+        pgs = (p_info.shard_group, p_info.replicate_group)
+        entry = by_pgs.get(pgs)
+        if entry is None:
+            by_pgs[pgs] = (p_info, [(fqn, p, owners, dim)])
+        elif entry[0] is not p_info:
+            raise ValueError(
+                f"fully_shard({name}): {fqn} shards over mesh {p_info.mesh}, a different mesh "
+                f"object than {entry[0].mesh} over the same process groups (used by "
+                f"{entry[1][0][0]}); return the same mesh object for every parameter of a "
+                "process group"
+            )
+        else:
+            entry[1].append((fqn, p, owners, dim))
+    return by_pgs
+
+
+def _dims_key(dims: Any) -> tuple[Any, ...] | None:
+    """``dp_mesh_dims`` as a dict key (torch's ``DataParallelMeshDims`` is not hashable)."""
+    if dims is None:
+        return None
+    return (getattr(dims, "shard", None), getattr(dims, "replicate", None))
+
+
+def _result_fields(result: object, fqn: str, name: str) -> tuple[Any, DeviceMesh, Any]:
+    """``(placement, mesh, dp_mesh_dims)`` of a ``ShardPlacementResult``: ours, or torch's
+    (``placement`` and ``mesh_info``: its ``mesh``, or with ``dp_mesh_dims`` its
+    ``spmd_mesh``)."""
+    if isinstance(result, ShardPlacementResult):
+        return result.placement, result.mesh, result.dp_mesh_dims
+    mi = getattr(result, "mesh_info", None)
+    if mi is None or not hasattr(result, "placement"):
+        raise TypeError(
+            f"fully_shard({name}): shard_placement_fn returned {result!r} for {fqn}; "
+            "return None, a Shard(dim) or a fsdp2.ShardPlacementResult(placement, mesh)"
+        )
+    dims = getattr(mi, "dp_mesh_dims", None)
+    if dims is not None:
+        return result.placement, mi.spmd_mesh, dims
+    p_mesh = mi.mesh
+    shard, rep = getattr(mi, "shard_mesh_dim", None), getattr(mi, "replicate_mesh_dim", None)
+    expected = (0, None) if p_mesh.ndim == 1 else (1, 0)
+    if (shard, rep) != expected:
+        raise ValueError(
+            f"fully_shard({name}): shard_placement_fn returned a mesh info with "
+            f"shard_mesh_dim={shard}, replicate_mesh_dim={rep} on a {p_mesh.ndim}D mesh for "
+            f"{fqn}; fsdp2 shards over the last dim and replicates over dim 0 of a 2D mesh "
+            "(FSDPMeshInfo(mesh, shard_mesh_dim=0) on a 1D mesh, HSDPMeshInfo(mesh, "
+            "shard_mesh_dim=1, replicate_mesh_dim=0) on a 2D one)"
+        )
+    return result.placement, p_mesh, None
+
+
+def _mesh_info_of(mesh: object, dims: Any, fqn: str, name: str) -> MeshInfo:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"fully_shard({name}): the ShardPlacementResult for {fqn} names "
+            f"{type(mesh).__name__} as its mesh; pass a DeviceMesh"
+        )
+    if mesh.get_coordinate() is None:
+        raise ValueError(
+            f"fully_shard({name}): {fqn} shards over mesh {mesh}, which does not include "
+            f"this rank ({dist.get_rank()}); every rank must name a mesh it belongs to "
+            "(e.g. its row of the expert mesh)"
+        )
+    if dims is not None:
+        return spmd_mesh_info(mesh, dims)
+    return mesh_info(mesh)
+
+
+def _mesh_tag(info: MeshInfo) -> str:
+    """How messages and timeline lanes name one of a call's groups: by its mesh dims."""
+    mesh = info.spmd.mesh if info.spmd is not None else info.mesh
+    names = mesh.mesh_dim_names
+    if info.spmd is not None and names is not None:
+        names = tuple(names[i] for i in info.spmd.shard_dims + info.spmd.replicate_dims)
+    if names:
+        return f" (mesh {'/'.join(names)})"
+    return f" (mesh {'x'.join(str(n) for n in mesh.shape)})"
+
+
+def _shard_dim(placement: Any, p: nn.Parameter, fqn: str, info: MeshInfo, name: str) -> int:
+    if placement is None or p.dim() == 0:
         return 0
     if not isinstance(placement, Shard):
         raise TypeError(

@@ -61,19 +61,19 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
 
 
 class FSDPState:
-    """The hooks of one ``fully_shard`` call (one or several modules, one group) and
-    its place in the step."""
+    """The hooks of one ``fully_shard`` call (one or several modules; one group per
+    process group its parameters shard over) and its place in the step."""
 
     def __init__(
         self,
         modules: list[nn.Module],
-        group: ParamGroup | None,
+        groups: list[ParamGroup],
         mp_policy: MixedPrecisionPolicy,
         device: torch.device,
         auto_reshard: bool,
     ) -> None:
         self.modules = modules
-        self.group = group
+        self.groups = groups
         self.mp_policy = mp_policy
         self.device = device
         self.auto_reshard = auto_reshard  # reshard_after_forward=None: the root keeps
@@ -81,7 +81,8 @@ class FSDPState:
         self.is_root = False
         self.post_optim_event: torch.Event | None = None
         # its place in the step (what the step layer sees: step.py's Slot)
-        self.slot = Slot(group, group.name if group is not None else type(modules[0]).__name__)
+        name = groups[0].name.removesuffix(groups[0].mesh_tag) if groups else ""
+        self.slot = Slot(groups, name or type(modules[0]).__name__)
         # explicit prefetch lists (setters); the implicit ones are the slot's
         self.fwd_prefetch: list[FSDPState] | None = None
         self.bwd_prefetch: list[FSDPState] | None = None
@@ -93,8 +94,9 @@ class FSDPState:
 
     @property
     def path(self) -> str:
-        """Its group's module path (or its module's class), for labels and messages."""
-        return self.group.path if self.group is not None else type(self.modules[0]).__name__
+        """Its (first) group's module path (or its module's class), for labels and
+        messages."""
+        return self.groups[0].path if self.groups else type(self.modules[0]).__name__
 
     # ---- lazy init ---------------------------------------------------------------
 
@@ -108,7 +110,7 @@ class FSDPState:
                 if st is not None and id(st) not in seen:
                     seen.add(id(st))
                     states.append(st)
-        groups = [st.group for st in states if st.group is not None]
+        groups = [g for st in states for g in st.groups]
         validate_tree(groups)
         for g in groups:  # parameters replaced since fully_shard (e.g. after to_empty)
             relayout.adopt_registered(g)
@@ -120,11 +122,15 @@ class FSDPState:
         for top in self.modules:  # module paths for messages (fsdp2 debug mode)
             for path, m in top.named_modules():
                 st = state_of(m)
-                if st is not None and st.group is not None and st.group.path == st.group.name:
-                    st.group.path = path or f"the root ({st.group.name})"
-        if self.auto_reshard and self.group is not None:
+                if st is None:
+                    continue
+                for g in st.groups:
+                    if g.path == g.name:
+                        g.path = (path or f"the root ({st.slot.name})") + g.mesh_tag
+        if self.auto_reshard:
             # Its backward comes first: keep the root's params through it.
-            self.group.update(gather={"post_forward": False})
+            for g in self.groups:
+                g.update(gather={"post_forward": False})
 
     # ---- forward -------------------------------------------------------------------
 
@@ -153,10 +159,10 @@ class FSDPState:
                 self.post_optim_event = None
             if self.device.type != "cpu":
                 args, kwargs = tree_map(self._to_device, (args, kwargs))
-        g = self.group
-        if g is not None:
+        if self.groups:
             if recompute:  # activation-checkpoint recompute
-                g.wait_for_unshard()
+                for g in self.groups:
+                    g.wait_for_unshard()
             else:
                 self.slot.to(TrainingState.FORWARD, "forward")
                 ctx.fwd_order.append(self.slot)
@@ -164,9 +170,9 @@ class FSDPState:
                 explicit = self.fwd_prefetch
                 targets = self.slot.fwd_next if explicit is None else [s.slot for s in explicit]
                 for nxt in targets:
-                    if nxt.group is not None:
-                        ctx.unshard(nxt, backward=False)
-                g.wait_for_unshard()
+                    ctx.unshard(nxt, backward=False)
+                for g in self.groups:
+                    g.wait_for_unshard()
                 if torch.is_grad_enabled():
                     args, kwargs = self._register_post_backward(args, kwargs)
         mp = self.mp_policy
@@ -205,9 +211,8 @@ class FSDPState:
         assert ctx is not None
         if ctx.phase is StepPhase.BACKWARD:  # recompute: same output as the forward
             return self._cast_output(output)
-        g = self.group
         training = torch.is_grad_enabled()
-        if g is not None:
+        if self.groups:
             if len(self.modules) > 1:
                 left = self._fwd_left or {id(m) for m in self.modules}
                 left.discard(id(module))
@@ -217,10 +222,11 @@ class FSDPState:
                 done = True
             if done:
                 self.slot.to(TrainingState.IDLE, "end of forward")
-                if training:
-                    g.after_forward()
-                else:
-                    g.reshard()
+                for g in self.groups:
+                    if training:
+                        g.after_forward()
+                    else:
+                        g.reshard()
             if training:
                 ctx.post_fwd_order.append(self.slot)
         if training:
@@ -228,9 +234,8 @@ class FSDPState:
         if self.is_root:
             ctx.end_forward()
             if not training:
-                for st in ctx.with_group:
-                    assert st.group is not None
-                    st.group.reshard()
+                for g in ctx.groups:
+                    g.reshard()
         return self._cast_output(output)
 
     def _cast_output(self, output: Any) -> Any:
@@ -261,8 +266,8 @@ class FSDPState:
             ctx.begin_backward()
         elif not self.is_root:
             ctx.cancel_deferred_prefetch()  # another group's backward began: gather as usual
-        g = self.group
-        if g is None or not g.gather.unshard_in_backward:
+        groups = [g for g in self.groups if g.gather.unshard_in_backward]
+        if not groups:
             return
         self.slot.to(TrainingState.PRE_BACKWARD, "backward")
         # Even after this group's post-backward (e.g. an earlier call whose
@@ -272,10 +277,11 @@ class FSDPState:
         if self.bwd_prefetch is not None:
             ctx.prefetch_for_backward([s.slot for s in self.bwd_prefetch])
         elif self.is_root:
-            ctx.defer_prefetch(self.slot.bwd_next, g.grad_params)
+            ctx.defer_prefetch(self.slot.bwd_next, [p for g in groups for p in g.grad_params])
         else:
             ctx.prefetch_for_backward(self.slot.bwd_next)
-        g.wait_for_unshard()
+        for g in groups:
+            g.wait_for_unshard()
 
     def _post_backward_node_done(self) -> None:
         slot = self.slot
@@ -292,6 +298,6 @@ class FSDPState:
 
     @hook("post_backward")
     def post_backward(self) -> None:
-        """Hand the group's gradients to reduction (queued on the step) and reshard."""
+        """Hand the groups' gradients to reduction (queued on the step) and reshard."""
         assert self.ctx is not None
         self.ctx.post_backward(self.slot)

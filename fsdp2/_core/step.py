@@ -116,7 +116,7 @@ class Slot:
     with ``StepContext``'s methods."""
 
     __slots__ = (
-        "group",
+        "groups",
         "name",
         "training_state",
         "fwd_next",
@@ -127,8 +127,10 @@ class Slot:
         "grads",
     )
 
-    def __init__(self, group: ParamGroup | None, name: str) -> None:
-        self.group = group
+    def __init__(self, groups: list[ParamGroup], name: str) -> None:
+        # one group per process group of its fully_shard call (several with per-parameter
+        # meshes, see [Note: several groups]); none for a call that manages no parameter
+        self.groups = groups
         self.name = name  # for messages
         self.training_state = TrainingState.IDLE
         # implicit prefetch: the slot that ran next in the last forward / comes next in
@@ -138,7 +140,7 @@ class Slot:
         self.post_backward_pending = 0  # registered post-backward nodes still to fire
         self.untracked_calls = 0  # forward calls whose inputs needed no grad (no node)
         self.on_backward_end: list[Callable[[], None]] = []  # see seam.on_backward_end
-        self.grads = GradState()
+        self.grads = [GradState() for _ in groups]  # one per group
 
     def to(self, new: TrainingState, event: str) -> None:
         old = self.training_state
@@ -161,27 +163,30 @@ class StepContext:
 
     def __init__(self, slots: list[Slot]) -> None:
         self.slots = slots
-        self.with_group = [s for s in slots if s.group is not None]
+        self.with_group = [s for s in slots if s.groups]
+        self.groups = [g for s in self.with_group for g in s.groups]
         self.phase = StepPhase.IDLE
         self.fwd_order: list[Slot] = []
         self.post_fwd_order: list[Slot] = []
         self.reductions: deque[Reduction] = deque()
         self.pending_d2h = False
-        # gradients waiting for a bucketed reduce-scatter: their groups' common key and
-        # budget, their packed bytes so far
-        self.parts: list[Part] = []
-        self.parts_key: tuple[Any, ...] | None = None
-        self.parts_budget = 0
-        self.parts_bytes = 0
+        # gradients waiting for a bucketed reduce-scatter, per bucket key (groups of one
+        # key share a process group and settings): the parts and their packed bytes so far
+        self.parts: dict[tuple[Any, ...], tuple[list[Part], int]] = {}
         self.deferred: list[Any] = []  # hook handles of the root's deferred prefetch
 
     # ---- all-gathers -----------------------------------------------------------
 
     def unshard(self, st: Slot, backward: bool) -> None:
-        """Issue ``st``'s group's all-gather if it needs one: alone, or with a bucket of
-        the groups expected to run after it (see [Note: buckets])."""
-        g = st.group
-        assert g is not None
+        """Issue the all-gathers ``st``'s groups need (in backward, those gathered for
+        backward): each alone, or with a bucket of the groups of the same process group
+        expected to run after it (see [Note: buckets])."""
+        for g in st.groups:
+            if backward and not g.gather.unshard_in_backward:
+                continue
+            self._unshard_group(st, g, backward)
+
+    def _unshard_group(self, st: Slot, g: ParamGroup, backward: bool) -> None:
         if not g.needs_gather():
             return
         key = g.gather_key()
@@ -197,11 +202,17 @@ class StepContext:
                 break
             cur = nxt[0]
             seen.add(id(cur))
-            h = cur.group
-            if h is None or (backward and not gathers_in_backward(cur)):
+            if not cur.groups or (backward and not gathers_in_backward(cur)):
                 break
-            if not h.needs_gather():
+            # the next slot's group over the same process group (one per slot at most,
+            # unless HSDP and FSDP groups share a shard group)
+            same = [h for h in cur.groups if h.info.shard_group is g.info.shard_group]
+            if not same:
+                break
+            todo = [h for h in same if h.needs_gather()]
+            if not todo:
                 continue  # already unsharded or coming
+            h = todo[0]
             if h.gather_key() != key or total + h.gather_bytes() > budget:
                 break
             bucket.append(h)
@@ -262,28 +273,29 @@ class StepContext:
         return done
 
     def add_part(self, part: Part) -> None:
-        """Reduce a group's gradients: at once, or in a bucket with the next groups'
-        (flushed when full, when a group of other settings comes, and at the end of
-        backward)."""
-        key = bucket_key(part.group)  # not None: the group has a budget
-        if self.parts and (
-            key != self.parts_key or self.parts_bytes + part.nbytes > self.parts_budget
-        ):
-            self.flush_parts()
+        """Reduce a group's gradients: at once, or in a bucket with the next groups' of
+        the same key (flushed when full and at the end of backward)."""
+        key = bucket_key(part.group)
         if key is None:
             self.add_reduction(reduce([part]))
             return
-        if not self.parts:
-            self.parts_key, self.parts_budget = key, part.group.reduce.bucket_bytes or 0
-        self.parts.append(part)
-        self.parts_bytes += part.nbytes
-        if self.parts_bytes >= self.parts_budget:
-            self.flush_parts()
+        parts, nbytes = self.parts.pop(key, ([], 0))
+        budget = part.group.reduce.bucket_bytes or 0
+        if parts and nbytes + part.nbytes > budget:
+            self.add_reduction(reduce(parts))
+            parts, nbytes = [], 0
+        parts.append(part)
+        nbytes += part.nbytes
+        if nbytes >= budget:
+            self.add_reduction(reduce(parts))
+        else:
+            self.parts[key] = (parts, nbytes)
 
     def flush_parts(self) -> None:
-        """Issue the reduce-scatter of the bucket of gradients collected so far."""
-        if self.parts:
-            parts, self.parts, self.parts_bytes = self.parts, [], 0
+        """Issue the reduce-scatters of the buckets of gradients collected so far (in the
+        order their buckets began: the same on every rank)."""
+        buckets, self.parts = self.parts, {}
+        for parts, _ in buckets.values():
             self.add_reduction(reduce(parts))
 
     def drain_reductions(self) -> None:
@@ -302,9 +314,7 @@ class StepContext:
             HUB.step_phase("forward", new_step=True)
         self.fwd_order = []
         self.post_fwd_order = []
-        for st in self.with_group:
-            g = st.group
-            assert g is not None
+        for g in self.groups:
             if g.sharded_state is Sharded.SMALL:  # its backward never came: may be stale
                 g.reshard()
             if g.sharded_state is Sharded.SHARDED and relayout.hooks_patched(g):
@@ -322,10 +332,9 @@ class StepContext:
                 continue
             seen.add(id(st))
             st.fwd_next = [order[i + 1]] if i + 1 < len(order) else []
-        for st in self.with_group:
-            assert st.group is not None
-            if st.group.has_pending_unshard():
-                st.group.reshard()
+        for g in self.groups:
+            if g.has_pending_unshard():
+                g.reshard()
 
     def begin_backward(self) -> None:
         if self.phase is StepPhase.FORWARD:
@@ -340,9 +349,8 @@ class StepContext:
         order = self.post_fwd_order
         for i, st in enumerate(order):  # later occurrences win: backward runs them first
             st.bwd_next = [order[i - 1]] if i > 0 else []
-        for st in self.with_group:
-            assert st.group is not None
-            st.group.release_unread()
+        for g in self.groups:
+            g.release_unread()
         Variable._execution_engine.queue_callback(self.finish_backward)
 
     def check_recompute(self, name: str) -> None:
@@ -362,12 +370,12 @@ class StepContext:
         for r in self.reductions:
             r.pending.wait()
         self.reductions.clear()
-        self.parts, self.parts_bytes = [], 0
+        self.parts = {}
         for st in self.with_group:
-            assert st.group is not None
-            st.group.reshard()
-            st.group.drop_unsharded_grads()  # unreduced gradients: unsharded, no-sync sums,
-            st.grads.clear()  # HSDP partial sums
+            for g, grads in zip(st.groups, st.grads, strict=True):
+                g.reshard()
+                g.drop_unsharded_grads()  # unreduced gradients: unsharded, no-sync sums,
+                grads.clear()  # HSDP partial sums
             st.end_step()
         self.phase = StepPhase.IDLE
         self.fwd_order = []
@@ -383,19 +391,24 @@ class StepContext:
             HUB.step_phase("final callback of the backward")
         self.cancel_deferred_prefetch()
         for st in self.with_group:
-            assert st.group is not None
-            if has_unreduced_grads(st.group, st.grads):  # reduce, or (no sync) accumulate
-                with label("hook post_backward", st.group.path):
-                    self.post_backward(st)
+            # reduce, or (no sync) accumulate
+            late = [
+                i
+                for i, (g, grads) in enumerate(zip(st.groups, st.grads, strict=True))
+                if has_unreduced_grads(g, grads)
+            ]
+            if late:
+                with label("hook post_backward", st.groups[late[0]].path):
+                    self.post_backward(st, late)
         self.flush_parts()
         self.drain_reductions()
         if self.pending_d2h:  # offloaded grads copied asynchronously into pinned memory
             torch.accelerator.synchronize()
             self.pending_d2h = False
+        for g in self.groups:
+            if g.gather.reshard_after_backward:
+                g.reshard()
         for st in self.with_group:
-            assert st.group is not None
-            if st.group.gather.reshard_after_backward:
-                st.group.reshard()
             st.end_step()
         self.phase = StepPhase.IDLE
         if HUB.observers:
@@ -404,32 +417,31 @@ class StepContext:
             for callback in st.on_backward_end:
                 callback()
 
-    def post_backward(self, st: Slot) -> None:
-        """``st``'s backward is done: hand its group's gradients to reduction (alone or in
-        a bucket) or, without gradient sync, add them to its no-sync sums; then reshard."""
-        g = st.group
-        assert g is not None
+    def post_backward(self, st: Slot, only: list[int] | None = None) -> None:
+        """``st``'s backward is done: hand its groups' gradients (those of the groups
+        ``only`` indexes, if given) to reduction (alone or in a bucket) or, without
+        gradient sync, add them to their no-sync sums; then reshard."""
         st.to(TrainingState.POST_BACKWARD, "post-backward")
+        which = range(len(st.groups)) if only is None else only
         if HUB.observers:
-            u = [p.unsharded for p in g.grad_params]
+            u = [p.unsharded for i in which for p in st.groups[i].grad_params]
             HUB.gradients_taken([t.grad for t in u if t is not None and t.grad is not None])
-        part = None
-        if g.reduce.sync:
-            part = take_grads(g, st.grads)
-        elif g.reduce_dtype is not None:
-            accumulate_in_reduce_dtype(g, st.grads)
-        g.after_backward()
-        if part is not None:
-            self.add_part(part)
+        for i in which:
+            g, grads = st.groups[i], st.grads[i]
+            part = None
+            if g.reduce.sync:
+                part = take_grads(g, grads)
+            elif g.reduce_dtype is not None:
+                accumulate_in_reduce_dtype(g, grads)
+            g.after_backward()
+            if part is not None:
+                self.add_part(part)
 
 
 def gathers_in_backward(st: Slot) -> bool:
-    """Whether ``st``'s group is still to be gathered for this backward. A group with no
-    trainable params whose inputs needed no grad has no backward at all."""
-    g = st.group
-    return (
-        g is not None
-        and st.training_state is not TrainingState.POST_BACKWARD
-        and g.gather.unshard_in_backward
-        and bool(g.grad_params or st.post_backward_pending)
+    """Whether one of ``st``'s groups is still to be gathered for this backward. A group
+    with no trainable params whose inputs needed no grad has no backward at all."""
+    return st.training_state is not TrainingState.POST_BACKWARD and any(
+        g.gather.unshard_in_backward and bool(g.grad_params or st.post_backward_pending)
+        for g in st.groups
     )

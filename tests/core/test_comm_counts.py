@@ -231,7 +231,7 @@ def _record_order(
         _train_step(model, name, 1, counter)  # implicit prefetch knows the order from step 1
         events = counter.take()
     if engine == "fsdp2" and root_params:  # the deferred prefetch's hooks are gone
-        group = state_of(model).group
+        group = state_of(model).groups[0]
         assert all(not p.unsharded._backward_hooks for p in group.params), "hooks left"
     return prefetch_order(events, "forward", by_numel), prefetch_order(events, "backward", by_numel)
 

@@ -160,8 +160,7 @@ def _buffers_freed(key: str, model: nn.Module, params: list[nn.Parameter]) -> No
         return
     for m in model.modules():
         st = state_of(m)
-        if st is not None and st.group is not None:
-            g = st.group
+        for g in st.groups if st is not None else []:
             assert g.sharded_state is Sharded.SHARDED and not g.has_pending_unshard(), g.path
             held = [b.untyped_storage().nbytes() for b in g.unsharded_bufs]
             assert not any(held), f"{g.path}: unsharded buffers still hold {held} bytes"

@@ -77,7 +77,7 @@ def _step(model: torch.nn.Module, step: int) -> None:
 
 def _observed_steps() -> None:
     model = sharded("fsdp2", NAME)
-    groups = {id(st.group): st.group for m in model.modules() if (st := state_of(m)) and st.group}
+    groups = {id(g): g for m in model.modules() if (st := state_of(m)) for g in st.groups}
     paths = {g.path for g in groups.values()}
     assert not HUB.observers
     rec = _Recorder()

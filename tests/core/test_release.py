@@ -111,7 +111,7 @@ def _shard(engine: str, variant: str) -> nn.Module:
 
 def _released(model: nn.Module) -> dict[str, bool]:
     """Root parameter name -> whether its unsharded buffer is freed now."""
-    g = state_of(model).group
+    g = state_of(model).groups[0]
     out = {}
     for i, p in enumerate(g.flat_params):
         out[p.fqn] = g.unsharded_bufs[i].untyped_storage().nbytes() == 0
@@ -127,7 +127,7 @@ def _train(variant: str, want_released: set[str]) -> None:
     def watch(module: nn.Module, grad_in: Any, grad_out: Any) -> None:
         released = _released(fsdp2_model)
         seen.append(released)
-        g = state_of(fsdp2_model).group
+        g = state_of(fsdp2_model).groups[0]
         for p in g.flat_params:
             for owner, name in p.owners:
                 registered = owner._parameters[name]
@@ -163,7 +163,7 @@ def _train(variant: str, want_released: set[str]) -> None:
     # after the step everything is sharded again and nothing stays released; the restore
     # hooks live only while something is released (never in forward: torch.compile traces
     # the model as if they did not exist)
-    assert not state_of(fsdp2_model).group.released
+    assert not state_of(fsdp2_model).groups[0].released
     assert hooks(fsdp2_model) == before + 1, "restore hooks left behind"
     assert forward_hooks == [before + 1] * len(forward_hooks), forward_hooks
 
