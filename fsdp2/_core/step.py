@@ -30,9 +30,22 @@ up: the slot is the whole contract between the two layers.
 # agree (``ParamGroup.gather_key``); each group copies its columns out when it runs.
 # Prefetching a group starts the next bucket. Gradients of groups whose backward
 # finished are held (``StepContext.parts``) and reduced in ONE reduce-scatter when the
-# next would pass n input bytes, a group of other settings comes (``bucket_key``), or
-# backward ends. Memory: up to two gathered buckets (the one in use and the prefetched
-# one) and one bucket of held gradients, each <= n bytes (a group larger than n alone).
+# next would pass n input bytes, or backward ends; groups of other settings
+# (``bucket_key``) collect in buckets of their own. Memory: up to two gathered buckets
+# (the one in use and the prefetched one) and one bucket of held gradients per key, each
+# <= n bytes (a group larger than n alone).
+
+# [Note: several groups]
+# A ``fully_shard`` call whose ``shard_placement_fn`` names other meshes holds one group
+# per process group ([Note: per-parameter meshes] in sharding.py), all in its one
+# ``Slot``: the slot moves through the step as one unit (one training state, one
+# post-backward count, one place in the prefetch order), and each step of it runs for
+# every group in turn: its all-gathers are issued together, then waited; its
+# post-backward hands each group's gradients to its own reduce-scatter (and HSDP
+# all-reduce), in the groups' order (the order ``fully_shard`` found their first
+# parameters, the same on every rank). A bucket only takes groups of one process group:
+# walking the order, the next slot's group on the same process group joins, and a slot
+# without one ends the bucket. Held gradients wait in one bucket per key.
 
 # [Note: root prefetch]
 # The root's backward comes first and, in a language model, holds the loss and the

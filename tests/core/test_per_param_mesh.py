@@ -20,6 +20,8 @@ Checked:
 * state: ``state_dict`` keys and full values as the unsharded model's, a full state dict
   loads, DCP saves on this layout and loads on plain FSDP (and back);
 * timeline lanes and debug mode name each group by its mesh;
+* the FSDP1 layer: ``summon_full_params``, a FULL state dict, a FULL optimizer state dict
+  saved and loaded into another such model;
 * errors, raised before any collective with the model left unsharded and naming the
   parameter: a dim the parameter lacks, an uneven ``Shard(1)``, two mesh objects over the
   same process groups, a mesh without this rank, a mesh info fsdp2 cannot read, a result of
@@ -455,3 +457,42 @@ def _errors() -> None:
 
 def test_errors_before_any_collective() -> None:
     run_on_ranks(WORLD, _errors)
+
+
+# ---------------------------------------------------------------------------------------------
+# The FSDP1 layer over several groups per module
+
+
+def _fsdp1() -> None:
+    from fsdp2 import fsdp1
+
+    ref = build(NAME)
+    model = _shard("fsdp2", build(NAME))
+    with fsdp1.summon_full_params(model):
+        for name, p in model.named_parameters():
+            check_close(p.detach(), dict(ref.named_parameters())[name], f"summoned {name}")
+    full = fsdp1.get_state_dict(model, fsdp1.StateDictType.FULL_STATE_DICT)
+    for k, v in ref.state_dict().items():
+        check_close(full[k], v, f"FULL_STATE_DICT {k}")
+    opt = make_optimizer("adamw", model.parameters())
+    x, y = make_batch(NAME, 0)
+    rank = dist.get_rank()
+    _loss(model, rank_slice(x, rank, WORLD), rank_slice(y, rank, WORLD)).backward()
+    opt.step()
+    osd = fsdp1.optim_state_dict(model, opt, state_dict_type=fsdp1.StateDictType.FULL_STATE_DICT)
+    assert osd["state"].keys() == {n for n, _ in ref.named_parameters()}
+    for name, st in osd["state"].items():
+        assert st["exp_avg"].shape == dict(ref.named_parameters())[name].shape, name
+    other = _shard("fsdp2", build(NAME, seed=5))
+    other_opt = make_optimizer("adamw", other.parameters())
+    loadable = fsdp1.optim_state_dict_to_load(
+        other, other_opt, osd, state_dict_type=fsdp1.StateDictType.FULL_STATE_DICT
+    )
+    other_opt.load_state_dict(loadable)
+    for (name, p), q in zip(model.named_parameters(), other.parameters(), strict=True):
+        a, b = opt.state[p]["exp_avg"], other_opt.state[q]["exp_avg"]
+        check_close(b.full_tensor(), a.full_tensor(), f"reloaded exp_avg of {name}")
+
+
+def test_fsdp1_layer_over_several_groups() -> None:
+    run_on_ranks(WORLD, _fsdp1)
