@@ -50,18 +50,24 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp._fully_shard._fsdp_common import (
-    FSDPMeshInfo,
-    HSDPMeshInfo,
-    ShardPlacementResult,
-)
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fsdp2
 from fsdp2 import FSDPModule
 
+try:  # torch 2.13+: torch's fully_shard takes per-parameter meshes too
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+except ImportError:  # older torch: fsdp2 alone, against the reference
+    ShardPlacementResult = None
+
 WORLD = 4
 NAME = "transformer"
+# the engines that have per-parameter meshes on this torch
+HERE = ENGINES if ShardPlacementResult is not None else {"fsdp2": ENGINES["fsdp2"]}
+needs_torch_results = pytest.mark.skipif(
+    ShardPlacementResult is None, reason="torch's ShardPlacementResult is torch 2.13+"
+)
 
 
 def _meshes() -> tuple[DeviceMesh, DeviceMesh]:
@@ -129,10 +135,10 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _parity(raf: bool | int, bucket: bool) -> None:
-    models = {e: _shard(e, build(NAME), reshard_after_forward=raf) for e in ENGINES}
+    models = {e: _shard(e, build(NAME), reshard_after_forward=raf) for e in HERE}
     if bucket:
         models["fsdp2"].set_bucket_bytes(1 << 20)  # fsdp2 only
-        models.pop("torch")
+        models.pop("torch", None)
     ours = models["fsdp2"]
     for name, p in ours.named_parameters():
         assert isinstance(p, DTensor), name
@@ -198,6 +204,7 @@ class _LocalLinear:
         return F.linear(x, w.to_local() if isinstance(w, DTensor) else w, self.linear.bias)
 
 
+@needs_torch_results
 def test_torch_results_and_spmd_mesh() -> None:
     run_on_ranks(WORLD, _torch_objects_and_spmd)
 
@@ -242,7 +249,7 @@ def _counts(engine: str) -> None:
         assert got == want, f"{engine} step {i}: got {dict(got)}, want {dict(want)}"
 
 
-@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("engine", list(HERE))
 def test_one_collective_per_group(engine: str) -> None:
     run_on_ranks(WORLD, _counts, engine)
 
@@ -432,8 +439,10 @@ def _errors() -> None:
         r"fc1\.weight shards over mesh .* a different mesh object",
     )
     # torch's DDPMeshInfo-like info (no shard dim) cannot be read
-    bad = ShardPlacementResult(placement=Shard(0), mesh_info=FSDPMeshInfo(hsdp, shard_mesh_dim=0))
-    check(on_fc1(bad), ValueError, r"shard_mesh_dim=0, replicate_mesh_dim=None on a 2D mesh")
+    if ShardPlacementResult is not None:
+        info = FSDPMeshInfo(hsdp, shard_mesh_dim=0)
+        bad = ShardPlacementResult(placement=Shard(0), mesh_info=info)
+        check(on_fc1(bad), ValueError, r"shard_mesh_dim=0, replicate_mesh_dim=None on a 2D mesh")
     check(on_fc1("dim 0"), TypeError, r"returned 'dim 0' for fc1\.weight")
     # a mesh over ranks 0 and 1 only (created on every rank: mesh creation is collective)
     pair = DeviceMesh("cpu", torch.tensor([0, 1]))

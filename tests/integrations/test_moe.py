@@ -55,17 +55,12 @@ Where torch needs help: gloo has no ``PREMUL_SUM``, which torch reduces with for
 factor of 1, so ``parallelize_moe`` also sets ``set_force_sum_reduction_for_comms(True)`` on
 CPU meshes (the same sum). torch before 2.13 has no per-parameter meshes: the file is skipped.
 
-fsdp2's cases are marked xfail until its core shards per-parameter meshes. While it cannot,
-its ``fully_shard`` raises on every rank before any collective; the ranks agree on that (one
-all-reduce) and return the error as a value (``_guarded``), which the parent raises: the
-worker pool survives, a restart costs ~4 s per case.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import traceback
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -99,8 +94,7 @@ WORLD_SIZE = 4
 STEPS = 3
 GLOBAL_BATCH, SEQ = 8, 8  # 2 sequences (16 tokens) per rank
 VOCAB = MoEConfig().vocab_size
-_XFAIL = pytest.mark.xfail(strict=False, reason="per-parameter meshes land in the core")
-ENGINE_PARAMS = [pytest.param("fsdp2", marks=_XFAIL), "torch"]
+ENGINE_PARAMS = ["fsdp2", "torch"]
 _MP = {"fsdp2": fsdp2.MixedPrecisionPolicy, "torch": TorchMixedPrecisionPolicy}
 
 
@@ -108,46 +102,17 @@ _MP = {"fsdp2": fsdp2.MixedPrecisionPolicy, "torch": TorchMixedPrecisionPolicy}
 # Running a case: the fsdp2 cases also train torch's engine, unless fsdp2 cannot shard
 
 
-def _guarded(fn: Callable[..., Any], *args: Any) -> Any:
-    try:
-        return fn(*args)
-    except _ShardingFailed as e:
-        return ("fsdp2 sharding failed", str(e))
-
-
 def _run(fn: Callable[..., Any], *args: Any) -> list[Any]:
-    results = run_on_ranks(WORLD_SIZE, _guarded, fn, *args)
-    for r in results:
-        if isinstance(r, tuple) and r and r[0] == "fsdp2 sharding failed":
-            raise AssertionError(f"fsdp2's fully_shard raised on every rank:\n{r[1]}")
-    return results
-
-
-class _ShardingFailed(Exception):
-    pass
+    return run_on_ranks(WORLD_SIZE, fn, *args)
 
 
 def _shard_all(
     engine: str, make: Callable[[str], nn.Module], *, with_torch: bool = True
 ) -> dict[str, nn.Module]:
     """``{e: make(e)}`` for ``engine`` and, for fsdp2 ``with_torch``, torch's engine too (to
-    compare them in the same worker), fsdp2 first. An exception from fsdp2's sharding is
-    agreed on by all ranks and raised as ``_ShardingFailed``."""
-    models: dict[str, nn.Module] = {}
-    failure = ""
-    for e in ("fsdp2", "torch") if engine == "fsdp2" and with_torch else (engine,):
-        try:
-            models[e] = make(e)
-        except Exception:
-            if e != "fsdp2":
-                raise
-            failure = traceback.format_exc()
-            break
-    failed = torch.tensor([float(bool(failure))])
-    dist.all_reduce(failed)
-    if failed.item():
-        raise _ShardingFailed(failure or "fsdp2 raised on another rank")
-    return models
+    compare them in the same worker), fsdp2 first."""
+    engines = ("fsdp2", "torch") if engine == "fsdp2" and with_torch else (engine,)
+    return {e: make(e) for e in engines}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -645,7 +610,7 @@ def _full_checkpoint(engine: str, path: str) -> None:
     )
 
 
-@pytest.mark.parametrize("engine", [pytest.param("fsdp2", marks=_XFAIL)])
+@pytest.mark.parametrize("engine", ["fsdp2"])
 def test_full_checkpoint_round_trip(engine: str, tmp_path: Any) -> None:
     """fsdp2 only: ``fsdp2.checkpoint`` reads and writes fsdp2's sharded models."""
     _run(_full_checkpoint, engine, str(tmp_path))
