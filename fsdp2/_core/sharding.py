@@ -350,6 +350,9 @@ def _place(
 ) -> dict[tuple[Any, ...], tuple[MeshInfo, list[_Entry]]]:
     """Each parameter's shard dim and mesh, grouped by process groups (see
     [Note: per-parameter meshes]). Raises before any collective."""
+    if fn is None:  # every parameter on the call's mesh, dim 0
+        entries = [(fqn, p, owners, 0) for fqn, p, owners in found]
+        return {(info.shard_group, info.replicate_group): (info, entries)} if entries else {}
     infos: dict[tuple[int, Any], MeshInfo] = {}
     if mesh is not None:
         infos[(id(mesh), _dims_key(dims))] = info

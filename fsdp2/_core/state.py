@@ -266,9 +266,11 @@ class FSDPState:
             ctx.begin_backward()
         elif not self.is_root:
             ctx.cancel_deferred_prefetch()  # another group's backward began: gather as usual
-        groups = [g for g in self.groups if g.gather.unshard_in_backward]
-        if not groups:
-            return
+        groups = self.groups
+        if len(groups) != 1 or not groups[0].gather.unshard_in_backward:
+            groups = [g for g in groups if g.gather.unshard_in_backward]
+            if not groups:
+                return
         self.slot.to(TrainingState.PRE_BACKWARD, "backward")
         # Even after this group's post-backward (e.g. an earlier call whose
         # inputs needed no grad registered no post-backward node): gather again;

@@ -195,18 +195,18 @@ class StepContext:
         backward): each alone, or with a bucket of the groups of the same process group
         expected to run after it (see [Note: buckets])."""
         for g in st.groups:
-            if backward and not g.gather.unshard_in_backward:
+            if not g.needs_gather() or (backward and not g.gather.unshard_in_backward):
                 continue
-            self._unshard_group(st, g, backward)
+            key = g.gather_key()
+            budget = g.gather.bucket_bytes
+            if key is None or budget is None:
+                g.unshard()
+            else:
+                self._unshard_bucket(st, g, key, budget, backward)
 
-    def _unshard_group(self, st: Slot, g: ParamGroup, backward: bool) -> None:
-        if not g.needs_gather():
-            return
-        key = g.gather_key()
-        budget = g.gather.bucket_bytes
-        if key is None or budget is None:
-            g.unshard()
-            return
+    def _unshard_bucket(
+        self, st: Slot, g: ParamGroup, key: tuple[Any, ...], budget: int, backward: bool
+    ) -> None:
         bucket, total = [g], g.gather_bytes()
         seen, cur = {id(st)}, st
         while True:
@@ -404,15 +404,13 @@ class StepContext:
             HUB.step_phase("final callback of the backward")
         self.cancel_deferred_prefetch()
         for st in self.with_group:
-            # reduce, or (no sync) accumulate
-            late = [
-                i
-                for i, (g, grads) in enumerate(zip(st.groups, st.grads, strict=True))
-                if has_unreduced_grads(g, grads)
-            ]
+            late: list[int] = []
+            for i, g in enumerate(st.groups):
+                if has_unreduced_grads(g, st.grads[i]):  # reduce, or (no sync) accumulate
+                    late.append(i)
             if late:
                 with label("hook post_backward", st.groups[late[0]].path):
-                    self.post_backward(st, late)
+                    self.post_backward(st, None if len(late) == len(st.groups) else late)
         self.flush_parts()
         self.drain_reductions()
         if self.pending_d2h:  # offloaded grads copied asynchronously into pinned memory
@@ -435,12 +433,16 @@ class StepContext:
         ``only`` indexes, if given) to reduction (alone or in a bucket) or, without
         gradient sync, add them to their no-sync sums; then reshard."""
         st.to(TrainingState.POST_BACKWARD, "post-backward")
-        which = range(len(st.groups)) if only is None else only
+        pairs = (
+            zip(st.groups, st.grads)
+            if only is None
+            else [(st.groups[i], st.grads[i]) for i in only]
+        )
         if HUB.observers:
-            u = [p.unsharded for i in which for p in st.groups[i].grad_params]
+            pairs = list(pairs)
+            u = [p.unsharded for g, _ in pairs for p in g.grad_params]
             HUB.gradients_taken([t.grad for t in u if t is not None and t.grad is not None])
-        for i in which:
-            g, grads = st.groups[i], st.grads[i]
+        for g, grads in pairs:
             part = None
             if g.reduce.sync:
                 part = take_grads(g, grads)
@@ -454,7 +456,9 @@ class StepContext:
 def gathers_in_backward(st: Slot) -> bool:
     """Whether one of ``st``'s groups is still to be gathered for this backward. A group
     with no trainable params whose inputs needed no grad has no backward at all."""
-    return st.training_state is not TrainingState.POST_BACKWARD and any(
-        g.gather.unshard_in_backward and bool(g.grad_params or st.post_backward_pending)
-        for g in st.groups
-    )
+    if st.training_state is TrainingState.POST_BACKWARD:
+        return False
+    for g in st.groups:
+        if g.gather.unshard_in_backward and (g.grad_params or st.post_backward_pending):
+            return True
+    return False
