@@ -7,8 +7,9 @@ the root have groups on both meshes, or one. torch's FSDP2 (torch 2.13's
 ``ShardPlacementResult(placement, mesh_info)``) runs the same layout in the same worker.
 Checked:
 
-* training: 3 AdamW steps with ``reshard_after_forward`` True / False / 2 and with
-  ``set_bucket_bytes``: losses, full gradients and full parameters match a replicated
+* training: 3 AdamW steps with ``reshard_after_forward`` True / False / 2, with
+  ``set_bucket_bytes``, and with a float64 ``MixedPrecisionPolicy`` and CPU offload (every
+  group its own policies' buffers): losses, full gradients and full parameters match a replicated
   reference (fp32 tolerance) and torch's engine (bitwise);
 * layout: each parameter a DTensor on its own mesh with torch's placements and local shape;
 * collectives: per module and step, one all-gather and one reduce-scatter per group (plus
@@ -50,6 +51,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -106,7 +109,13 @@ class _Results:
         return ShardPlacementResult(placement=placement, mesh_info=info)
 
 
-def _shard(engine: str, model: nn.Module, results: str | None = None, **kw: Any) -> nn.Module:
+def _shard(
+    engine: str,
+    model: nn.Module,
+    results: str | None = None,
+    root_kw: dict[str, Any] | None = None,
+    **kw: Any,
+) -> nn.Module:
     """Every block and the root with the MLP weights on the HSDP mesh (``results``: the
     engine whose result objects ``shard_placement_fn`` returns; the engine's own by default)."""
     flat, hsdp = _meshes()
@@ -118,7 +127,7 @@ def _shard(engine: str, model: nn.Module, results: str | None = None, **kw: Any)
 
     for block in model.layers:
         ENGINES[engine](block, mesh=flat, shard_placement_fn=fn, **kw)
-    ENGINES[engine](model, mesh=flat, shard_placement_fn=fn)
+    ENGINES[engine](model, mesh=flat, shard_placement_fn=fn, **(root_kw or {}))
     return model
 
 
@@ -134,8 +143,25 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 # Training parity and layout
 
 
-def _parity(raf: bool | int, bucket: bool) -> None:
-    models = {e: _shard(e, build(NAME), reshard_after_forward=raf) for e in HERE}
+def _parity(raf: bool | int, bucket: bool, policies: bool = False) -> None:
+    def kw(engine: str, root: bool = False) -> dict[str, Any]:
+        if not policies:
+            return {}
+        mp, off = (
+            (fsdp2.MixedPrecisionPolicy, fsdp2.CPUOffloadPolicy)
+            if engine == "fsdp2"
+            else (TorchMixedPrecisionPolicy, TorchCPUOffloadPolicy)
+        )
+        out = torch.float32 if root else None  # the loss in the reference's dtype
+        return {
+            "mp_policy": mp(torch.float64, torch.float64, output_dtype=out),
+            "offload_policy": off(pin_memory=False),
+        }
+
+    models = {
+        e: _shard(e, build(NAME), reshard_after_forward=raf, root_kw=kw(e, True), **kw(e))
+        for e in HERE
+    }
     if bucket:
         models["fsdp2"].set_bucket_bytes(1 << 20)  # fsdp2 only
         models.pop("torch", None)
@@ -157,12 +183,18 @@ def _parity(raf: bool | int, bucket: bool) -> None:
 
 
 @pytest.mark.parametrize(
-    "raf, bucket",
-    [(True, False), (False, False), (2, False), (True, True)],
-    ids=["raf-True", "raf-False", "raf-2", "bucketed"],
+    "raf, bucket, policies",
+    [
+        (True, False, False),
+        (False, False, False),
+        (2, False, False),
+        (True, True, False),
+        (True, False, True),
+    ],
+    ids=["raf-True", "raf-False", "raf-2", "bucketed", "fp64-params-cpu-offload"],
 )
-def test_training_parity(raf: bool | int, bucket: bool) -> None:
-    run_on_ranks(WORLD, _parity, raf, bucket)
+def test_training_parity(raf: bool | int, bucket: bool, policies: bool) -> None:
+    run_on_ranks(WORLD, _parity, raf, bucket, policies)
 
 
 def _torch_objects_and_spmd() -> None:
