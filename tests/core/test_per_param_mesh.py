@@ -54,12 +54,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fsdp2
 from fsdp2 import FSDPModule
 
 try:  # torch 2.13+: torch's fully_shard takes per-parameter meshes too
+    from torch.distributed.fsdp import DataParallelMeshDims as TorchDataParallelMeshDims
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
 except ImportError:  # older torch: fsdp2 alone, against the reference
     ShardPlacementResult = None
@@ -214,14 +216,27 @@ def _torch_objects_and_spmd() -> None:
         block.fc1.forward = _LocalLinear(block.fc1)  # computes on the local (full) weight
     dims = fsdp2.DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate")
     spmd_ids = {id(b.fc1.weight) for b in model.layers}
+    # block 0 names the SPMD mesh with fsdp2's result, block 1 with torch's (a mesh info
+    # built from torch's DataParallelMeshDims, as torchtitan builds it)
+    theirs = ShardPlacementResult(
+        placement=None,
+        mesh_info=_get_mesh_info(
+            spmd, TorchDataParallelMeshDims(shard="dp_shard", replicate="dp_replicate")
+        ),
+    )
+    first = id(model.layers[0].fc1.weight)
 
     def fn(p: nn.Parameter) -> Any:
-        return fsdp2.ShardPlacementResult(None, spmd, dims) if id(p) in spmd_ids else None
+        if id(p) not in spmd_ids:
+            return None
+        return fsdp2.ShardPlacementResult(None, spmd, dims) if id(p) == first else theirs
 
     for block in model.layers:
         fsdp2.fully_shard(block, mesh=flat, shard_placement_fn=fn)
     fsdp2.fully_shard(model, mesh=flat)
-    assert model.layers[0].fc1.weight.device_mesh is spmd
+    for block in model.layers:
+        assert block.fc1.weight.device_mesh is spmd
+        assert block.fc1.weight.placements == (Replicate(), Shard(0)), block.fc1.weight.placements
     train_and_compare(build(NAME), {"fsdp2": model}, batch=_batch, loss=_loss, steps=2)
 
 
