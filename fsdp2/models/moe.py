@@ -17,6 +17,12 @@ weights on another) with either engine's ``fully_shard``.
 
 Without :func:`apply_expert_parallel` the same model computes every expert locally: that
 is the replicated reference the sharded runs are compared with.
+
+Balanced routing under fake tensors (``fsdp2.estimate_memory``'s simulated step), whose
+token counts (``bincount``, the all-to-all splits) cannot be read: every expert gets ``tokens *
+top_k / num_experts`` of a rank's routed tokens (near-equal integers summing to the total) and
+every rank sends each rank of the expert-parallel group an equal share. Real tensors take the
+real path, unchanged (tests/planning/test_estimate_moe.py: the estimate vs measured peaks).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint
@@ -92,11 +99,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU feed-forwards with stacked weights: ``w1`` and ``w3``
-    ``(E, hidden, dim)``, ``w2`` ``(E, dim, hidden)``.
-
-    Under expert parallelism the weights are ``Shard(0)`` DTensors on the expert-parallel
-    mesh and ``forward`` computes the local experts only (``.to_local()``: token counts per
-    expert vary from step to step, which a DTensor cannot express).
+    ``(E, hidden, dim)``, ``w2`` ``(E, dim, hidden)``. Under expert parallelism they are
+    ``Shard(0)`` DTensors on the expert-parallel mesh and ``forward`` computes the local
+    experts only (``.to_local()``: token counts per expert vary from step to step, which a
+    DTensor cannot express).
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int) -> None:
@@ -109,15 +115,15 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` ``(N, dim)``: tokens sorted by (local) expert, ``counts[e]`` of them for
         expert ``e``; returns each token's expert output ``(N, dim)`` in the same order.
-
         Every local expert takes part in the autograd graph, with no tokens too (an empty
         matmul): its weights get a zero gradient rather than none, on every rank alike.
         """
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
         if counts.numel() != w1.size(0):
             raise ValueError(f"{counts.numel()} token counts for {w1.size(0)} local experts")
+        sizes = _balanced(x.size(0), counts.numel()) if is_fake(counts) else counts.tolist()
         outs = []
-        for e, chunk in enumerate(torch.split(x, counts.tolist(), dim=0)):
+        for e, chunk in enumerate(torch.split(x, sizes, dim=0)):
             h = F.silu(chunk @ w1[e].transpose(0, 1)) * (chunk @ w3[e].transpose(0, 1))
             outs.append(h @ w2[e].transpose(0, 1))
         return torch.cat(outs)
@@ -128,6 +134,11 @@ class GroupedExperts(nn.Module):
         nn.init.trunc_normal_(self.w1, std=std)
         nn.init.trunc_normal_(self.w3, std=std)
         nn.init.trunc_normal_(self.w2, std=out_std)
+
+
+def _balanced(total: int, parts: int) -> list[int]:
+    """``total`` in ``parts`` near-equal shares, the larger first (balanced routing)."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
 
 
 def _all_to_all(
@@ -159,11 +170,10 @@ class MoE(nn.Module):
     load-balancing bias); the output is the sum of the chosen experts' outputs weighted by
     their unbiased scores. Every token reaches its experts (no capacity limit).
 
-    With ``ep_group`` set (:func:`apply_expert_parallel`), ``forward`` sends each token to
-    the rank holding its expert with ``all_to_all_single`` over that group (after exchanging
-    the per-expert token counts), runs the local experts and sends the outputs back. The
-    backward runs the reverse all-to-alls, so a local expert's gradient already sums the
-    contributions of every rank of the group.
+    With ``ep_group`` set (:func:`apply_expert_parallel`), ``forward`` exchanges the
+    per-expert token counts, sends each token to its expert's rank (``all_to_all_single``
+    over that group), runs the local experts and sends the outputs back; the backward's
+    reverse all-to-alls make a local expert's gradient sum every rank's contributions.
 
     Attributes:
         tokens_per_expert: how many of this rank's tokens each expert got in the last
@@ -192,7 +202,10 @@ class MoE(nn.Module):
         flat = expert_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (T * K,): by expert, then by token
         token_ids = order // self.top_k
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        if is_fake(flat):  # fake tensors (estimate_memory): balanced routing
+            counts = torch.tensor(_balanced(flat.numel(), self.num_experts), device=flat.device)
+        else:
+            counts = torch.bincount(flat, minlength=self.num_experts)
         self.tokens_per_expert = counts.detach().clone()
         routed = tokens[token_ids]
         if self.ep_group is None:
@@ -213,10 +226,15 @@ class MoE(nn.Module):
         received_counts = torch.empty_like(counts)
         dist.all_to_all_single(received_counts, counts, group=group)
         by_source = received_counts.view(ep, n_local)  # [source rank][local expert]
-        send_splits = counts.view(ep, n_local).sum(1).tolist()
-        recv_splits = by_source.sum(1).tolist()
+        if is_fake(counts):  # balanced routing: equal shares each way, kept in arrival order
+            send_splits = _balanced(routed.size(0), ep)
+            recv_splits = [send_splits[dist.get_rank(group)]] * ep
+            perm = torch.arange(sum(recv_splits), device=routed.device)
+        else:
+            send_splits = counts.view(ep, n_local).sum(1).tolist()
+            recv_splits = by_source.sum(1).tolist()
+            perm = _group_by_expert(by_source)
         received = _all_to_all(routed, recv_splits, send_splits, group)
-        perm = _group_by_expert(by_source)
         out = self.experts(received[perm], by_source.sum(0))
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(perm.numel())
@@ -278,10 +296,8 @@ class MoEBlock(nn.Module):
 
 class MoETransformer(nn.Module):
     """Token embedding, ``n_layers`` :class:`MoEBlock` (``layers["0"]``, ...), final norm,
-    output head.
-
-    ``forward(tokens)`` returns logits ``(batch, seq, vocab)``; with ``targets`` it returns
-    the mean cross-entropy over the tokens given instead.
+    output head. ``forward(tokens)`` returns logits ``(batch, seq, vocab)``; with
+    ``targets``, the mean cross-entropy over the tokens given instead.
     """
 
     rope: torch.Tensor  # the rotary tables (a non-persistent buffer)
@@ -341,9 +357,8 @@ def apply_expert_parallel(model: MoETransformer, ep_mesh: DeviceMesh) -> None:
     """Expert parallelism over the 1D ``ep_mesh``: each block's ``w1``/``w2``/``w3`` become
     ``Shard(0)`` DTensors on it (rank ``r`` of the mesh keeps experts
     ``r * E / ep ... (r + 1) * E / ep - 1``, the same values as the unsharded model's, no
-    communication), and the MoE layers dispatch tokens over ``ep_mesh.get_group()``.
-
-    Call it on an unsharded model, before :func:`parallelize_moe`.
+    communication), and the MoE layers dispatch tokens over ``ep_mesh.get_group()``. Call
+    it on an unsharded model, before :func:`parallelize_moe`.
 
     Raises:
         ValueError: ``ep_mesh`` is not 1D, ``num_experts`` is not divisible by its size, or
@@ -368,11 +383,6 @@ def apply_expert_parallel(model: MoETransformer, ep_mesh: DeviceMesh) -> None:
         block.moe.ep_group = ep_mesh.get_group()
 
 
-def _shard_size(mesh: DeviceMesh) -> int:
-    """The shard world size of a 1D (FSDP) or 2D (HSDP: replicate x shard) mesh."""
-    return mesh.size(mesh.ndim - 1)
-
-
 def parallelize_moe(
     model: MoETransformer,
     *,
@@ -386,35 +396,32 @@ def parallelize_moe(
     ac: bool = False,
 ) -> MoETransformer:
     """Shard ``model`` with ``fully_shard`` (either engine's) as torchtitan's
-    ``apply_fsdp_to_decoder`` does, expert-parallel branch included.
+    ``apply_fsdp_to_decoder`` does, expert-parallel branch included; returns ``model``.
 
     Order: ``tok_embeddings``; ``[norm, output]`` as one group; each block; the root. An MoE
     block's experts are sharded ``Shard(0)`` (on the expert dim), or ``Shard(1)`` when the
-    expert-FSDP shard size times ``ep_degree`` exceeds ``num_experts`` (more shards than
-    experts). With ``ep_degree > 1`` the block's ``shard_placement_fn`` returns, for each
-    expert parameter, ``placement_result(expert placement, efsdp_mesh)`` and for every
-    other parameter ``placement_result(Shard(0), dp_mesh)``: two parameter groups per block,
-    each with its own collectives. Each result object is built once (one per mesh) and
-    reused, as torch's engine requires one mesh-info object per process group. With
-    ``ep_degree > 1``, explicit forward/backward prefetching is set up as torchtitan does.
-    Last, ``set_gradient_divide_factor(1.0)`` on every FSDP module (and, on CPU meshes,
+    expert-FSDP shard size times ``ep_degree`` exceeds ``num_experts``. With ``ep_degree >
+    1`` the block's ``shard_placement_fn`` returns ``placement_result(expert placement,
+    efsdp_mesh)`` for each expert parameter, ``placement_result(Shard(0), dp_mesh)`` for the
+    others: two parameter groups per block, each with its own collectives. Each result is
+    built once per mesh and reused (torch's engine wants one mesh-info object per process
+    group), and explicit prefetching is set up as torchtitan does. Last,
+    ``set_gradient_divide_factor(1.0)`` on every FSDP module (and, on CPU meshes,
     ``set_force_sum_reduction_for_comms(True)``: gloo has no ``PREMUL_SUM``).
 
     [Note: MoE loss scaling]
     With the divide factor 1, every gradient is a plain sum over ranks: a dense gradient
-    is summed over ``dp_mesh``; an expert gradient is first summed over the expert-parallel
-    group by the all-to-all's backward (every rank's tokens that reached the expert), then
-    over ``efsdp_mesh`` by FSDP, and ``efsdp x ep`` ranks are again every data-parallel
-    rank. FSDP's default would divide each group's sum by that group's size: the dense
-    gradients by the dp size, the expert gradients by the efsdp size only, leaving them
-    ``ep`` times too large. So each rank scales its loss instead: backpropagating
-    ``(local mean loss) / dp world size`` makes every gradient that of the global batch's
-    mean loss (ranks hold equal token counts). torchtitan divides by the global token
-    count for the same reason.
+    over ``dp_mesh``; an expert gradient first over the expert-parallel group by the
+    all-to-all's backward (every rank's tokens that reached the expert), then over
+    ``efsdp_mesh`` by FSDP: ``efsdp x ep`` ranks are again every data-parallel rank. FSDP's
+    default would divide each sum by its group's size: the dense gradients by the dp size,
+    the expert gradients by the efsdp size only, ``ep`` times too large. So each rank scales
+    its loss instead: backpropagating ``(local mean loss) / dp world size`` makes every
+    gradient that of the global batch's mean loss (ranks hold equal token counts).
+    torchtitan divides by the global token count for the same reason.
 
     Args:
-        model: the model, with :func:`apply_expert_parallel` applied when
-            ``ep_degree > 1``.
+        model: the model, with :func:`apply_expert_parallel` applied if ``ep_degree > 1``.
         fully_shard: ``fsdp2.fully_shard`` or ``torch.distributed.fsdp.fully_shard``.
         dp_mesh: the data-parallel mesh of the dense parameters: 1D (FSDP) or 2D (HSDP).
         efsdp_mesh: the mesh the experts are sharded over (FSDP) when ``ep_degree > 1``.
@@ -425,9 +432,6 @@ def parallelize_moe(
         reshard_after_forward: passed to every ``fully_shard`` but the root's.
         mp_policy: the engine's ``MixedPrecisionPolicy``, or ``None`` for its default.
         ac: activation checkpointing around each block (set before sharding).
-
-    Returns:
-        ``model``, sharded.
     """
     if ep_degree > 1 and efsdp_mesh is None:
         raise ValueError("parallelize_moe: ep_degree > 1 needs efsdp_mesh")
@@ -449,10 +453,11 @@ def parallelize_moe(
             results[key] = make(Shard(dim), mesh)
         return results[key]
 
+    dense = dp_mesh.size(dp_mesh.ndim - 1)  # shard size (1D FSDP or 2D HSDP: its last dim)
+    shards = efsdp_mesh.size(efsdp_mesh.ndim - 1) * ep_degree if efsdp_mesh else dense
     for block in blocks:
         experts = block.moe.experts
         expert_params = set(experts.parameters())
-        shards = _shard_size(efsdp_mesh) * ep_degree if efsdp_mesh else _shard_size(dp_mesh)
         expert_dim = 1 if shards > experts.num_experts else 0
         fn: Callable[[nn.Parameter], Any] | None = None
         if ep_degree > 1:
@@ -477,10 +482,7 @@ def parallelize_moe(
 def _placement_fn(
     expert_params: set[nn.Parameter], for_experts: Any, for_others: Any
 ) -> Callable[[nn.Parameter], Any]:
-    def fn(p: nn.Parameter) -> Any:
-        return for_experts if p in expert_params else for_others
-
-    return fn
+    return lambda p: for_experts if p in expert_params else for_others
 
 
 def _prefetch_like_torchtitan(model: MoETransformer, blocks: list[MoEBlock]) -> None:
