@@ -434,7 +434,7 @@ class StepContext:
         gradient sync, add them to their no-sync sums; then reshard."""
         st.to(TrainingState.POST_BACKWARD, "post-backward")
         pairs = (
-            zip(st.groups, st.grads)
+            zip(st.groups, st.grads, strict=True)
             if only is None
             else [(st.groups[i], st.grads[i]) for i in only]
         )
