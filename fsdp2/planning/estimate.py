@@ -307,7 +307,11 @@ def estimate_memory(
             copied). It is sharded like a training script would: ``fully_shard`` on every
             module chosen by ``shard``, then on the root. Or a function ``build(mesh)``
             that builds and shards the model itself on the given mesh (any ``fully_shard``
-            calls and settings of its own).
+            calls and settings of its own). A ``build`` that creates meshes of its own
+            (e.g. an expert-parallel mesh) must do that outside the simulation's fake
+            tensors, where ``DeviceMesh`` cannot read its ranks: build under
+            ``with torch._subclasses.fake_tensor.unset_fake_temporarily(),
+            torch.device("meta"):`` (nothing is allocated; see docs/moe.md).
         batch: a sample batch: tensors (on the meta device is enough: only shapes and
             dtypes matter) in a tuple, list, dict, or alone, as the model takes it.
         mesh_shape: ``N`` or ``(N,)`` for FSDP over ``N`` ranks; ``(R, S)`` for HSDP
