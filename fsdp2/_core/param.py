@@ -23,6 +23,7 @@ import math
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -312,8 +313,9 @@ class TPLayout:
         if info.spmd is not None:
             return cls._of_spmd(param, info.spmd, fqn)
         tp_mesh = param.device_mesh
-        try:
-            DeviceMesh._concatenate([info.mesh, tp_mesh])
+        try:  # the mesh's rank tensor is real: read it outside a fake mode (estimate_memory)
+            with unset_fake_temporarily():
+                DeviceMesh._concatenate([info.mesh, tp_mesh])
         except Exception as e:  # noqa: BLE001 - any failure means the meshes do not compose
             raise ValueError(
                 f"parameter {fqn} is a DTensor on mesh {tp_mesh}, which is not another "
