@@ -19,6 +19,12 @@ parameters, ``optim.state`` holds DTensor state sharded like its parameter (so
 reload it across world sizes and meshes), LR schedulers and ``zero_grad`` work unchanged.
 Only inside ``step()`` do ``param_groups`` and ``state`` hold the local tensors; step
 pre- and post-hooks run there too and see them.
+
+Optimizers that orthogonalize or otherwise mix whole matrices cannot step shards:
+``Muon`` here is ``torch.optim.Muon`` for sharded parameters (each matrix put together and
+orthogonalized on one rank), ``muon_param_groups`` splits a model's parameters between it
+and AdamW, and a guard installed on import refuses a ``MATRIX_WISE_OPTIMIZERS`` optimizer
+over ``fully_shard``'s sharded parameters (see ``fsdp2/muon.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +38,15 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "step_on_local_shards"]
+from fsdp2.muon import Muon, install_matrix_wise_guard, muon_param_groups
+
+__all__ = [
+    "ELEMENTWISE_OPTIMIZERS",
+    "MATRIX_WISE_OPTIMIZERS",
+    "Muon",
+    "muon_param_groups",
+    "step_on_local_shards",
+]
 
 #: ``torch.optim`` classes whose update is elementwise (checked by ``step_on_local_shards``).
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
@@ -48,6 +62,15 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Rprop,
     torch.optim.ASGD,
 )
+
+#: Optimizers whose update works on whole matrices (``torch.optim.Muon``; subclasses count as
+#: theirs). Stepping ``fully_shard``'s sharded parameters with one raises ``RuntimeError`` at
+#: its first step (a global step pre-hook installed on import; ``fsdp2.optim.Muon`` is exempt).
+#: Rebind the tuple to add a matrix-wise optimizer of your own, e.g.
+#: ``fsdp2.optim.MATRIX_WISE_OPTIMIZERS += (MyShampoo,)``.
+MATRIX_WISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Muon,)
+
+install_matrix_wise_guard()
 
 _MARK = "_fsdp2_local_step"
 
