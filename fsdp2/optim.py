@@ -24,7 +24,7 @@ Optimizers that orthogonalize or otherwise mix whole matrices cannot step shards
 ``Muon`` here is ``torch.optim.Muon`` for sharded parameters (each matrix put together and
 orthogonalized on one rank), ``muon_param_groups`` splits a model's parameters between it
 and AdamW, and a guard installed on import refuses a ``MATRIX_WISE_OPTIMIZERS`` optimizer
-over ``fully_shard``'s sharded parameters (see ``fsdp2/muon.py``).
+over ``fully_shard``'s sharded parameters (see ``fsdp2/muon/``).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 #: ``fsdp2.optim.MATRIX_WISE_OPTIMIZERS += (MyShampoo,)``.
 MATRIX_WISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Muon,)
 
-install_matrix_wise_guard()
+install_matrix_wise_guard(lambda: MATRIX_WISE_OPTIMIZERS)  # read at each step: rebindable
 
 _MARK = "_fsdp2_local_step"
 

@@ -38,8 +38,8 @@
   its first step, naming the parameter, before changing anything; a parameter group added
   later is checked; over plain parameters and fsdp2 parameters at world size 1 it runs (and
   equals ``fsdp2.optim.Muon``); ``fsdp2.optim.Muon`` is not refused. ``test_guard`` puts the
-  ``_fsdp2_managed_by`` mark on the sharded parameters itself; ``test_guard_end_to_end``
-  (strict xfail) relies on ``fully_shard``, which today marks only the original parameters.
+  ``_fsdp2_managed_by`` mark on parameters itself; ``test_guard_end_to_end`` relies on the
+  one ``fully_shard`` puts on its sharded parameters.
 * Errors: non-2-D parameters and unsupported placements are refused at construction (and
   by ``add_param_group``, which then adds nothing); a full (plain) momentum buffer at step
   time, before any change; a replicated DTensor is orthogonalized locally, no collective.
@@ -68,7 +68,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import fsdp2
-import fsdp2.muon as fsdp2_muon
+import fsdp2.muon._exchange as muon_exchange
 from fsdp2.optim import Muon, muon_param_groups
 
 DIMS = (8, 13, 6, 5)  # hidden weights 13x8 (tall), 6x13 (wide), 5x6; head 3x5
@@ -289,7 +289,7 @@ def test_parity_with_torch_muon(world: int) -> None:
 def _record() -> Iterator[list[tuple[str, Any]]]:
     """Record ``all_to_all_single`` calls and Newton-Schulz runs, in order."""
     events: list[tuple[str, Any]] = []
-    a2a, ns = dist.all_to_all_single, fsdp2_muon._newton_schulz
+    a2a, ns = dist.all_to_all_single, muon_exchange._newton_schulz
 
     def spy_a2a(out: torch.Tensor, inp: torch.Tensor, *args: Any, **kw: Any) -> Any:
         events.append(("a2a", (kw["input_split_sizes"], kw["output_split_sizes"], kw["group"])))
@@ -301,7 +301,7 @@ def _record() -> Iterator[list[tuple[str, Any]]]:
 
     with (
         mock.patch.object(dist, "all_to_all_single", spy_a2a),
-        mock.patch.object(fsdp2_muon, "_newton_schulz", spy_ns),
+        mock.patch.object(muon_exchange, "_newton_schulz", spy_ns),
     ):
         yield events
 
@@ -517,11 +517,6 @@ def test_guard(world: int) -> None:
     run_on_ranks(world, _guard, True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fully_shard sets _fsdp2_managed_by on the original parameters, not on the sharded "
-    "DTensor parameters that replace them (fsdp2/_core/sharding.py, relayout.py)",
-)
 def test_guard_end_to_end() -> None:
     """The guard on ``fully_shard``'s own parameters, untagged by the test."""
     run_on_ranks(2, _guard, False)

@@ -44,6 +44,8 @@ def adopt_registered(group: ParamGroup) -> None:
         if cur is None or cur is p.sharded or cur is p.unsharded:
             continue
         new = _as_sharded(p, cur)
+        # the mark fully_shard put on the sharded parameter (fsdp2.muon's guard reads it)
+        new.__dict__["_fsdp2_managed_by"] = p.sharded.__dict__.get("_fsdp2_managed_by", group.name)
         p.sharded = new
         for m2, n2 in p.owners:
             m2._parameters[n2] = new  # type: ignore[assignment]  # a DTensor Parameter

@@ -198,6 +198,8 @@ def fully_shard(
         register_state_dict_hooks(group)
         for orig in originals:  # sharing one with a later group is an error
             setattr(orig, _OWNER_ATTR, name)
+        for fp in params:  # the sharded parameters too (fsdp2.muon's matrix-wise guard)
+            setattr(fp.sharded, _OWNER_ATTR, name)
         groups.append(group)
     _move_buffers(modules, info.device)
     FSDPState(modules, groups, mp_policy, info.device, auto_reshard=reshard_after_forward is None)
