@@ -25,12 +25,34 @@ group of the mesh dim that shards the parameters; the next bucket's first exchan
 before this bucket's Newton-Schulz runs, so they overlap. Plain (unsharded) tensors,
 replicated DTensors and meshes of one rank take the same path without collectives.
 
+Tensor parallelism + FSDP (``parallelize_module`` on ``mesh["tp"]``, then ``fully_shard`` on
+the data-parallel mesh: a colwise weight is ``(_StridedShard(0, sf=tp), Shard(0))`` on
+``(dp, tp)``, a rowwise one ``(Shard(0), Shard(1))``; HSDP + TP adds a ``Replicate()``): a
+matrix split over several mesh dims is exchanged over the group of all of them (this rank's
+submesh over those dims, flattened with ``DeviceMesh._flatten`` when the optimizer is built:
+collective, cached by torch on the root mesh; the default group when it spans every rank).
+Its owner is one of those ranks; each rank's piece is ``full[rows][:, cols]``, the rows and
+columns being what the placements leave of ``arange(m)`` and ``arange(n)`` when split as
+``distribute_tensor`` splits a tensor (contiguous ranges for TP + FSDP, copied as slices; index
+tensors otherwise), computed once per layout. The owner writes every rank's piece into the
+full matrix and cuts the results back out the same way. A matrix split by one ``Shard``
+mesh dim only (mesh dims of one rank do not count) takes the path above: its pieces are
+``torch.cat``-ed and ``torch.split``. Replicas (HSDP's, or TP's for a matrix TP does not
+split) repeat the same work each.
+
 Memory: an owner holds its matrices of one bucket in full (bfloat16) while it
 orthogonalizes them, plus the flat send and receive buffers of at most two buckets.
 
-Known limits: tensor parallelism combined with FSDP (placements with several ``Shard``s,
-``_StridedShard``) is refused with ``NotImplementedError``; every rank of a shard group must
-step with the same parameters having gradients (true under ``fully_shard``).
+Known limits: ``Partial`` placements are refused (``NotImplementedError``), and so are
+several ``Shard``/``_StridedShard`` placements on a mesh without ``mesh_dim_names`` (flattening
+needs them); every rank of a shard group must step with the same parameters having gradients
+(true under ``fully_shard``); every rank must build the optimizer with the same parameters in
+the same order (flattening a mesh is collective). The flattened mesh is registered on the
+root mesh like any ``_flatten``'s, so DTensor's redistribution then merges consecutive
+all-gathers over those dims into one, which torch 2.13 gets wrong for an uneven
+``(Shard(d), Shard(d))`` (``full_tensor()`` of such a DTensor has padding in it): not a
+layout ``fully_shard`` makes (FSDP over a TP ``Shard(d)`` is ``_StridedShard``), but one
+``distribute_tensor`` can.
 
 Importing ``fsdp2`` also installs a global optimizer step pre-hook that stops a matrix-wise
 optimizer (one of ``fsdp2.optim.MATRIX_WISE_OPTIMIZERS``: ``torch.optim.Muon`` and its

@@ -17,6 +17,18 @@ import torch.distributed as dist
 
 
 @dataclass(eq=False)
+class _Pieces:
+    """Where each rank's local piece of a matrix sharded over several mesh dims (or by a
+    ``_StridedShard``) lies in the full matrix: rank ``r`` of the route holds
+    ``full[index[r]]``, of shape ``shapes[r]``. Each index is a pair of slices where the
+    piece's rows and columns are contiguous ranges (TP + FSDP layouts), else of index tensors
+    (on the route's device) broadcasting to the piece's shape."""
+
+    index: list[tuple[Any, Any]]
+    shapes: list[tuple[int, int]]
+
+
+@dataclass(eq=False)
 class _Matrix:
     """One parameter's part of a step: its local tensors and full shape."""
 
@@ -28,14 +40,18 @@ class _Matrix:
     cols: int
     dim: int  # the tensor dim sharded (0 when not sharded)
     sizes: tuple[int, ...]  # each rank's extent along ``dim``
+    pieces: _Pieces | None = None  # instead of ``dim`` and ``sizes``: see ``_Pieces``
     owner: int = 0
 
     def piece_shape(self, rank: int) -> tuple[int, int]:
+        if self.pieces is not None:
+            return self.pieces.shapes[rank]
         extent = self.sizes[rank]
         return (extent, self.cols) if self.dim == 0 else (self.rows, extent)
 
     def piece_numel(self, rank: int) -> int:
-        return self.sizes[rank] * (self.cols if self.dim == 0 else self.rows)
+        rows, cols = self.piece_shape(rank)
+        return rows * cols
 
     @property
     def cost(self) -> int:
@@ -173,10 +189,19 @@ def _orthogonalize(bucket: _Bucket, received: torch.Tensor) -> _Exchange:
             n = m.piece_numel(r)
             pieces.append(received[offsets[r] : offsets[r] + n].view(m.piece_shape(r)))
             offsets[r] += n
-        full = pieces[0] if route.world == 1 else torch.cat(pieces, dim=m.dim)
+        if m.pieces is None:
+            full = pieces[0] if route.world == 1 else torch.cat(pieces, dim=m.dim)
+        else:
+            full = received.new_empty(m.rows, m.cols)
+            for index, piece in zip(m.pieces.index, pieces, strict=True):
+                full[index] = piece
         g = m.group
         ortho = _newton_schulz(full, g["ns_coefficients"], g["ns_steps"], g["eps"])
-        for r, piece in enumerate(torch.split(ortho, list(m.sizes), dim=m.dim)):
+        if m.pieces is None:
+            results = torch.split(ortho, list(m.sizes), dim=m.dim)
+        else:
+            results = tuple(ortho[index] for index in m.pieces.index)
+        for r, piece in enumerate(results):
             back[r].append(piece.reshape(-1))
     flat = _concat([p for per_rank in back for p in per_rank], route.device)
     return _Exchange(route, flat, bucket.from_ranks, bucket.to_owners)
