@@ -20,6 +20,13 @@ own time.
 these options on ``--mesh`` (default: 2 ranks; any size: nothing is allocated, no process group
 is joined): ``fsdp2.estimate_memory``'s table.
 
+``--optimizer muon`` trains the hidden matrices (attention and MLP weights) with
+``fsdp2.optim.Muon`` and the rest (embedding, output head, norms) with AdamW, split by
+``fsdp2.optim.muon_param_groups``; both follow the same learning-rate schedule, Muon's peaking
+at ``--muon-lr`` (its update scaled to AdamW's RMS: ``adjust_lr_fn="match_rms_adamw"``, as in
+Moonlight), and both optimizers' state goes into the checkpoints. The default is AdamW for
+every parameter.
+
 ``--init-from PATH`` starts from a full safetensors (or ``torch.save``) checkpoint instead of a
 random init: the model is built on the meta device, sharded, and each rank reads only its own
 shards (``fsdp2.checkpoint.load_full_checkpoint``). ``--export PATH`` writes the trained model
@@ -47,10 +54,11 @@ from torch.distributed.tensor import DTensor
 from fsdp2 import MixedPrecisionPolicy, estimate_memory, fully_shard, timeline
 from fsdp2.checkpoint import load_full_checkpoint, save_full_checkpoint
 from fsdp2.models import Llama, LlamaConfig
-from fsdp2.optim import step_on_local_shards
+from fsdp2.optim import Muon, muon_param_groups, step_on_local_shards
 
 CORPUS_CAP_BYTES = 4 << 20  # of the default corpus; far more than a default run reads
 VAL_FRACTION = 0.1
+MUON_LR = 2e-2  # --optimizer muon: the hidden matrices' peak learning rate
 
 
 class _Parser(argparse.ArgumentParser):
@@ -112,6 +120,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, _Parser]:
     add("--seq-len", type=_positive, default=128, help="bytes per sequence (128)")
     add("--grad-accum", type=_positive, default=1, help="microbatches per optimizer step (1)")
     add("--lr", type=float, default=3e-3, help="peak learning rate (3e-3)")
+    add(
+        "--optimizer",
+        choices=("adamw", "muon"),
+        default="adamw",
+        help="adamw (default), or muon: Muon for the hidden matrices, AdamW for the rest",
+    )
+    add("--muon-lr", type=float, default=MUON_LR, help=f"Muon's peak learning rate ({MUON_LR})")
     add("--warmup", type=_non_negative, default=None, help="warmup steps (default: steps/10)")
     add("--grad-clip", type=float, default=1.0, help="max gradient norm (1.0; 0: off)")
     add("--dim", type=_positive, default=192, help="model width (192)")
@@ -146,11 +161,15 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, _Parser]:
         p.error(f"--dim {args.dim} must be a multiple of --heads {args.heads} {head}")
     if not 0 < args.lr < math.inf:
         p.error(f"--lr must be a positive number, got {args.lr}")
+    if not 0 < args.muon_lr < math.inf:
+        p.error(f"--muon-lr must be a positive number, got {args.muon_lr}")
     if not 0 <= args.grad_clip <= math.inf:
         p.error(f"--grad-clip must be >= 0, got {args.grad_clip}")
     args.warmup = args.steps // 10 if args.warmup is None else args.warmup
     if args.warmup >= args.steps:
         p.error(f"--warmup {args.warmup} must be smaller than --steps {args.steps}")
+    if args.estimate and args.optimizer != "adamw":
+        p.error("--estimate models AdamW's optimizer state only; drop --optimizer muon")
     if args.init_from and args.resume:
         p.error("--init-from and --resume are exclusive (a resumed run has its own weights)")
     args.checkpoint_dir = args.checkpoint_dir or os.path.join(args.out_dir, "checkpoints")
@@ -262,11 +281,34 @@ def build_model(args: argparse.Namespace, mesh: DeviceMesh, parser: _Parser) -> 
     return model
 
 
-def build_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only, stepping each parameter's local shard as a
-    plain tensor (``fsdp2.optim.step_on_local_shards``: the same numbers without DTensor's
-    per-op dispatch; its state stays sharded DTensors for checkpoints)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+def build_optimizer(
+    model: torch.nn.Module, args: argparse.Namespace
+) -> list[torch.optim.Optimizer]:
+    """The optimizers, stepped one after the other (``--optimizer``).
+
+    ``adamw``: AdamW over every parameter, weight decay on matrices only, stepping each
+    parameter's local shard as a plain tensor (``fsdp2.optim.step_on_local_shards``: the same
+    numbers without DTensor's per-op dispatch; its state stays sharded DTensors for
+    checkpoints).
+
+    ``muon``: ``fsdp2.optim.Muon`` over the hidden matrices (``muon_param_groups``: the
+    attention and MLP weights; each matrix orthogonalized whole on one rank) with the same
+    weight decay, and the AdamW above over the rest (embedding and output head with weight
+    decay, norms without). ``adjust_lr_fn="match_rms_adamw"`` scales Muon's update to
+    AdamW's RMS; its learning rate follows the same schedule, peaking at ``--muon-lr``
+    (``lr_at``).
+    """
+    if args.optimizer == "muon":
+        muon_groups, adamw_groups = muon_param_groups(model, muon={"weight_decay": 0.1})
+        params = [p for p in adamw_groups[0]["params"] if p.requires_grad]
+        muon_groups[0]["params"] = [p for p in muon_groups[0]["params"] if p.requires_grad]
+        muon = Muon(muon_groups, lr=args.muon_lr, adjust_lr_fn="match_rms_adamw")
+        return [muon, _adamw(params, args)]
+    return [_adamw([p for p in model.parameters() if p.requires_grad], args)]
+
+
+def _adamw(params: list[torch.nn.Parameter], args: argparse.Namespace) -> torch.optim.AdamW:
+    """AdamW over ``params``: weight decay 0.1 on matrices, none on vectors; local shards."""
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
@@ -275,12 +317,14 @@ def build_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.o
     return step_on_local_shards(optim)
 
 
-def lr_at(step: int, args: argparse.Namespace) -> float:
-    """Linear warmup to ``--lr`` over ``--warmup`` steps, then cosine decay to ``lr / 10``."""
+def lr_at(step: int, args: argparse.Namespace, peak: float | None = None) -> float:
+    """Linear warmup to ``peak`` (default ``--lr``) over ``--warmup`` steps, then cosine decay
+    to ``peak / 10``."""
+    peak = args.lr if peak is None else peak
     if step <= args.warmup:
-        return args.lr * step / max(1, args.warmup)
+        return peak * step / max(1, args.warmup)
     progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
 def mean_over_ranks(value: torch.Tensor) -> float:
@@ -290,7 +334,7 @@ def mean_over_ranks(value: torch.Tensor) -> float:
     return value.item() / dist.get_world_size()
 
 
-def train_step(model, optim, x, y, args: argparse.Namespace) -> tuple[float, float]:
+def train_step(model, optims, x, y, args: argparse.Namespace) -> tuple[float, float]:
     """One optimizer step over ``--grad-accum`` microbatches; returns (loss, grad norm).
 
     Gradients are reduced only in the last microbatch's backward (fsdp2 accumulates the others
@@ -304,12 +348,14 @@ def train_step(model, optim, x, y, args: argparse.Namespace) -> tuple[float, flo
         total += loss.detach()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
     norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-    optim.step()
-    optim.zero_grad(set_to_none=True)
+    for optim in optims:
+        optim.step()
+    for optim in optims:
+        optim.zero_grad(set_to_none=True)
     return mean_over_ranks(total / k), norm.item()
 
 
-def profiled_step(model, optim, x, y, args: argparse.Namespace) -> tuple[float, float]:
+def profiled_step(model, optims, x, y, args: argparse.Namespace) -> tuple[float, float]:
     """``train_step`` under ``fsdp2.timeline``: writes the step's Chrome trace and (with
     matplotlib) its Gantt chart under ``--out-dir``; rank 0 prints the summary."""
     try:
@@ -319,7 +365,7 @@ def profiled_step(model, optim, x, y, args: argparse.Namespace) -> tuple[float, 
     else:
         png = True
     with timeline(os.path.join(args.out_dir, "timeline"), png=png) as tl:
-        out = train_step(model, optim, x, y, args)
+        out = train_step(model, optims, x, y, args)
     if dist.get_rank() == 0:
         drawn = f", {tl.png_path}" if png else " (no PNG: matplotlib is not installed)"
         print(f"timeline: {tl.summary}\n  {tl.trace_path}{drawn}", flush=True)
@@ -340,10 +386,11 @@ def evaluate(model, val: torch.Tensor, args: argparse.Namespace, device: torch.d
     return mean_over_ranks(torch.stack(losses).mean())
 
 
-def checkpoint_state(model, optim, step: int, gen: torch.Generator, history: dict) -> dict:
+def checkpoint_state(model, optims, step: int, gen: torch.Generator, history: dict) -> dict:
     """What a checkpoint holds: sharded model and optimizer state (DTensors, each rank saves its
-    shards), the step, the data generator's state (identical on every rank) and the history."""
-    model_sd, optim_sd = get_state_dict(model, optim)
+    shards; with several optimizers, all of their state in one dict keyed by parameter name),
+    the step, the data generator's state (identical on every rank) and the history."""
+    model_sd, optim_sd = get_state_dict(model, optims)
     train = {"step": torch.tensor(step), "rng": gen.get_state(), "history": json.dumps(history)}
     return {"model": model_sd, "optim": optim_sd, "train": train}
 
@@ -362,20 +409,20 @@ def find_checkpoint(args: argparse.Namespace, parser: _Parser) -> str:
     return os.path.join(args.checkpoint_dir, steps[-1])
 
 
-def load_checkpoint(path: str, model, optim, gen: torch.Generator, parser: _Parser):
-    """Load ``path`` into the sharded model, the optimizer and ``gen``; return (step, history).
+def load_checkpoint(path: str, model, optims, gen: torch.Generator, parser: _Parser):
+    """Load ``path`` into the sharded model, the optimizers and ``gen``; return (step, history).
 
     ``dcp.load`` fills the state dict in place (each rank reads the pieces its shards need, so
     the mesh may differ from the saving run's), then ``set_state_dict`` hands it over.
     """
-    state = checkpoint_state(model, optim, 0, gen, {})
+    state = checkpoint_state(model, optims, 0, gen, {})
     try:
         dcp.load(state, checkpoint_id=path)
     except dcp.CheckpointException as e:  # raised on every rank
         detail = str(e).strip().splitlines()[-1]
-        hint = "pass the saving run's --dim, --layers and --heads"
+        hint = "pass the saving run's --dim, --layers, --heads and --optimizer"
         parser.error(f"--resume {path} does not fit this model ({detail}); {hint}")
-    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optims, model_state_dict=state["model"], optim_state_dict=state["optim"])
     gen.set_state(state["train"]["rng"])
     return int(state["train"]["step"]), json.loads(state["train"]["history"])
 
@@ -484,12 +531,12 @@ def train(args: argparse.Namespace, parser: _Parser, device: torch.device) -> di
         parser.error(f"--data has {len(data)} bytes: too few for --seq-len {args.seq_len}")
     mesh = build_mesh(args, device, parser)
     model = build_model(args, mesh, parser)
-    optim = build_optimizer(model, args)
+    optims = build_optimizer(model, args)
     gen = torch.Generator().manual_seed(args.seed)  # the same global batches on every rank
     start, history = 0, {"train": [], "val": []}
     if args.resume:
         path = find_checkpoint(args, parser)
-        start, history = load_checkpoint(path, model, optim, gen, parser)
+        start, history = load_checkpoint(path, model, optims, gen, parser)
         if start >= args.steps:
             parser.error(f"--resume: {path} is at step {start}, not before --steps {args.steps}")
         say(f"resumed from {path} at step {start}")
@@ -505,13 +552,15 @@ def train(args: argparse.Namespace, parser: _Parser, device: torch.device) -> di
     ckpt_path, t_train, t0 = None, 0.0, time.perf_counter()
     for step in range(start + 1, args.steps + 1):
         t_step = time.perf_counter()
-        for group in optim.param_groups:
-            group["lr"] = lr_at(step, args)
+        for optim in optims:
+            peak = args.muon_lr if isinstance(optim, Muon) else args.lr
+            for group in optim.param_groups:
+                group["lr"] = lr_at(step, args, peak)
         x, y = sample_batch(train_data, per_step, args.seq_len, gen)
         if args.timeline and step == min(start + 3, args.steps):
-            loss, norm = profiled_step(model, optim, x[mine].to(device), y[mine].to(device), args)
+            loss, norm = profiled_step(model, optims, x[mine].to(device), y[mine].to(device), args)
         else:
-            loss, norm = train_step(model, optim, x[mine].to(device), y[mine].to(device), args)
+            loss, norm = train_step(model, optims, x[mine].to(device), y[mine].to(device), args)
         t_train += time.perf_counter() - t_step
         history["train"].append(loss)
         if step % args.log_every == 0 or step in (start + 1, args.steps):
@@ -522,7 +571,8 @@ def train(args: argparse.Namespace, parser: _Parser, device: torch.device) -> di
             say(f"step {step:4d} validation loss {history['val'][-1][1]:.4f}", flush=True)
         if step == args.steps or (args.save_every and step % args.save_every == 0):
             ckpt_path = os.path.join(args.checkpoint_dir, f"step_{step:06d}")
-            dcp.save(checkpoint_state(model, optim, step, gen, history), checkpoint_id=ckpt_path)
+            state = checkpoint_state(model, optims, step, gen, history)
+            dcp.save(state, checkpoint_id=ckpt_path)
     if args.export:
         save_full_checkpoint(model, args.export)
 

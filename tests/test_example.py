@@ -3,7 +3,8 @@
 Checks that ``train.main`` trains (finite loss that falls on a small repeated text) and
 writes its outputs; that the same seed gives the same losses; that resuming from the step-3
 checkpoint of a 6-step run repeats that run's losses bitwise (and a model of another width
-is refused with a clear message); that mesh shapes (FSDP, HSDP both ways), gradient
+is refused with a clear message), with AdamW and with ``--optimizer muon`` (Muon + AdamW, both
+optimizers' state in the checkpoint); that mesh shapes (FSDP, HSDP both ways), gradient
 accumulation and ``reshard_after_forward=False`` give the same losses as the plain run (up to
 float rounding); that bf16 trains; that ``--export`` / ``--init-from`` round-trip the weights,
 ``--timeline`` writes a step's trace and chart and ``--estimate`` prints a memory estimate;
@@ -114,6 +115,41 @@ def test_trains_and_resumes_exactly(tmp_path, data_file):
     assert code == 2 and "does not fit this model" in err and "Size mismatch" in err, err
 
 
+def test_muon_trains_and_resumes_exactly(tmp_path, data_file):
+    """``--optimizer muon``: Muon for the hidden matrices, AdamW for the rest; the loss falls,
+    the checkpoint holds both optimizers' state (Muon's momentum, AdamW's moments) and a run
+    resumed from it repeats the uninterrupted run bitwise; an AdamW run resuming it is
+    refused."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    muon = ["--optimizer", "muon", "--eval-every", "3"]
+    full = run_on_ranks(
+        2, _run, _args(tmp_path, data_file, "full", *PLAIN, *muon, "--save-every", "3")
+    )[0][0]
+    losses = full["history"]["train"]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] - 0.5, losses
+    ckpt = str(tmp_path / "full" / "checkpoints" / "step_000003")
+    keys = set(FileSystemReader(ckpt).read_metadata().state_dict_metadata)
+    for key in (
+        "optim.state.layers.0.attention.wq.weight.momentum_buffer",
+        "optim.state.layers.1.feed_forward.w2.weight.momentum_buffer",
+        "optim.state.output.weight.exp_avg",
+        "optim.state.tok_embeddings.weight.exp_avg_sq",
+        "optim.state.norm.weight.exp_avg",
+    ):
+        assert key in keys, sorted(keys)
+    assert not any(k.startswith("optim.state.output.weight.momentum") for k in keys), keys
+    resumed = run_on_ranks(
+        2, _run, _args(tmp_path, data_file, "resumed", *PLAIN, *muon, "--resume", ckpt)
+    )[0][0]
+    assert resumed["resumed_from"] == 3
+    assert resumed["history"] == full["history"]  # bitwise equal, validation losses too
+    code, err = run_on_ranks(
+        2, _run_expecting_exit, _args(tmp_path, data_file, "adamw", *PLAIN, "--resume", ckpt)
+    )[0]
+    assert code == 2 and "does not fit this model" in err and "--optimizer" in err, err
+
+
 def test_export_and_init_from(tmp_path, data_file):
     """``--export`` writes the final weights (equal to the final DCP checkpoint's); a run with
     ``--init-from`` that export starts from exactly those weights (with a learning rate too
@@ -212,6 +248,9 @@ BAD_OPTIONS = [
     (["--warmup", "6"], "--warmup 6 must be smaller than --steps 6"),
     (["--lr", "-1"], "--lr must be a positive number"),
     (["--resume"], "--resume: no step_* checkpoint"),
+    (["--optimizer", "sgd"], "--optimizer: invalid choice: 'sgd'"),
+    (["--muon-lr", "0"], "--muon-lr must be a positive number"),
+    (["--optimizer", "muon", "--estimate"], "--estimate models AdamW's optimizer state only"),
 ]
 
 
