@@ -118,14 +118,20 @@ class _Exchange:
     """An ``all_to_all_single`` in flight (or, without a process group, its input)."""
 
     def __init__(
-        self, route: _Route, flat: torch.Tensor, send: list[int], receive: list[int]
+        self,
+        route: _Route,
+        flat: torch.Tensor,
+        send: list[int],
+        receive: list[int],
+        out: torch.Tensor | None = None,
     ) -> None:
         self.work: Any = None
+        self.inp: torch.Tensor | None = None
         if route.pg is None:
             self.out = flat
             return
         self.inp = flat  # kept alive until the collective finished
-        self.out = flat.new_empty(sum(receive))
+        self.out = flat.new_empty(sum(receive)) if out is None else out
         self.work = dist.all_to_all_single(
             self.out,
             flat,
@@ -139,6 +145,7 @@ class _Exchange:
         if self.work is not None:
             self.work.wait()
             self.work = None
+        self.inp = None  # sent: its memory may go (unless the caller still holds it)
         return self.out
 
 
@@ -147,42 +154,49 @@ def _run(buckets: list[_Bucket]) -> None:
     bucket's shards go out before this bucket's Newton-Schulz runs."""
     if not buckets:
         return
-    to_owners = _send_to_owners(buckets[0])
+    to_owners, sent = _send_to_owners(buckets[0])
     returning: deque[tuple[_Bucket, _Exchange]] = deque()
     for i, bucket in enumerate(buckets):
         received = to_owners.wait()
+        spare = sent  # this bucket's send buffer: sent, it receives the results back
         if i + 1 < len(buckets):
-            to_owners = _send_to_owners(buckets[i + 1])
-        returning.append((bucket, _orthogonalize(bucket, received)))
+            to_owners, sent = _send_to_owners(buckets[i + 1])
+        returning.append((bucket, _orthogonalize(bucket, received, spare)))
+        del received, spare
         if len(returning) > 1:
             _apply(*returning.popleft())
     while returning:
         _apply(*returning.popleft())
 
 
-def _send_to_owners(bucket: _Bucket) -> _Exchange:
+def _send_to_owners(bucket: _Bucket) -> tuple[_Exchange, torch.Tensor]:
     """Update the momentum of the bucket's shards and send each shard's update (bfloat16)
-    to its matrix's owner."""
-    pieces = []
+    to its matrix's owner. Returns the exchange and its send buffer (which has the layout
+    the results come back in)."""
+    route = bucket.route
+    flat = torch.empty(sum(bucket.to_owners), dtype=torch.bfloat16, device=route.device)
+    offset = 0
     for m in bucket.order:
         assert m.buf is not None
         momentum = m.group["momentum"]
         m.buf.lerp_(m.grad, 1 - momentum)
         update = m.grad.lerp(m.buf, momentum) if m.group["nesterov"] else m.buf
-        pieces.append(update.bfloat16().reshape(-1))
-    route = bucket.route
-    flat = _concat(pieces, route.device)
-    return _Exchange(route, flat, bucket.to_owners, bucket.from_ranks)
+        n = update.numel()
+        flat[offset : offset + n].view(update.shape).copy_(update)  # to bfloat16, in place
+        offset += n
+        del update
+    return _Exchange(route, flat, bucket.to_owners, bucket.from_ranks), flat
 
 
-def _orthogonalize(bucket: _Bucket, received: torch.Tensor) -> _Exchange:
+def _orthogonalize(bucket: _Bucket, received: torch.Tensor, spare: torch.Tensor) -> _Exchange:
     """Put this rank's matrices together from the shards received, orthogonalize them and
-    send every rank its shards of the results."""
+    send every rank its shards of the results. The results overwrite the shards they came
+    from in ``received`` (the return exchange's layout is the same), and come back into
+    ``spare`` (this bucket's send buffer, already sent): two flat buffers per bucket."""
     route = bucket.route
     offsets = [0]
     for n in bucket.from_ranks[:-1]:
         offsets.append(offsets[-1] + n)
-    back: list[list[torch.Tensor]] = [[] for _ in range(route.world)]
     for m in bucket.owned:
         pieces = []
         for r in range(route.world):
@@ -201,10 +215,13 @@ def _orthogonalize(bucket: _Bucket, received: torch.Tensor) -> _Exchange:
             results = torch.split(ortho, list(m.sizes), dim=m.dim)
         else:
             results = tuple(ortho[index] for index in m.pieces.index)
-        for r, piece in enumerate(results):
-            back[r].append(piece.reshape(-1))
-    flat = _concat([p for per_rank in back for p in per_rank], route.device)
-    return _Exchange(route, flat, bucket.from_ranks, bucket.to_owners)
+        for piece, result in zip(pieces, results, strict=True):
+            piece.copy_(result)  # the shard's slot in ``received`` now holds its result
+        del full, ortho, results, pieces
+    if route.pg is None:
+        spare.copy_(received)  # one rank: the results are this rank's, in its order
+        return _Exchange(route, spare, bucket.from_ranks, bucket.to_owners)
+    return _Exchange(route, received, bucket.from_ranks, bucket.to_owners, out=spare)
 
 
 def _apply(bucket: _Bucket, exchange: _Exchange) -> None:
@@ -219,12 +236,6 @@ def _apply(bucket: _Bucket, exchange: _Exchange) -> None:
         lr = _scalar(g["lr"])
         m.local.mul_(1 - lr * g["weight_decay"])
         m.local.add_(update, alpha=-_adjust_lr(lr, g["adjust_lr_fn"], m.rows, m.cols))
-
-
-def _concat(pieces: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    if not pieces:
-        return torch.empty(0, dtype=torch.bfloat16, device=device)
-    return torch.cat(pieces).to(device)
 
 
 def _scalar(x: Any) -> Any:
