@@ -40,8 +40,9 @@ mesh dim only (mesh dims of one rank do not count) takes the path above: its pie
 ``torch.cat``-ed and ``torch.split``. Replicas (HSDP's, or TP's for a matrix TP does not
 split) repeat the same work each.
 
-Memory: an owner holds its matrices of one bucket in full (bfloat16) while it
-orthogonalizes them, plus the flat send and receive buffers of at most two buckets.
+Memory: two flat bfloat16 buffers per bucket in flight (the send buffer, which receives
+the results back, and the receive buffer, whose shards the results overwrite), at most two
+buckets in flight, and one full matrix (with its Newton-Schulz temporaries) at a time.
 
 Known limits: ``Partial`` placements are refused (``NotImplementedError``), and so are
 several ``Shard``/``_StridedShard`` placements on a mesh without ``mesh_dim_names`` (flattening
