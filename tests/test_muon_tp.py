@@ -44,6 +44,7 @@ import torch.nn as nn
 from _harness import run_on_ranks
 from helpers import TOL, check_same
 from models import full_grads, full_params, full_value, mean_over_ranks, rank_slice, shard_model
+from test_muon import _Optimizers
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -53,11 +54,9 @@ from tp_models import build_tp_model, dp_rank_and_size, make_meshes, parallelize
 import fsdp2
 import fsdp2.muon._exchange as muon_exchange
 import fsdp2.muon._optimizer as muon_optimizer
-from fsdp2.optim import Muon, muon_param_groups
+from fsdp2.optim import Muon
 
 WORLD_SIZE = 4
-MUON_KW = {"lr": 0.02, "weight_decay": 0.1}
-ADAMW_KW = {"lr": 1e-2, "weight_decay": 0.1}
 SMALL_BUCKET = 2 * 8 * 8  # one 8x8 matrix in bfloat16: several buckets per step
 
 
@@ -177,21 +176,6 @@ def test_index_forms() -> None:
 # Training parity and checkpoints
 
 
-class _Optimizers:
-    """Muon over the hidden matrices and AdamW over the rest, stepped together."""
-
-    def __init__(self, model: nn.Module, muon_cls: type[torch.optim.Optimizer], **kw: Any) -> None:
-        muon_groups, adamw_groups = muon_param_groups(model, muon=MUON_KW, adamw=ADAMW_KW)
-        self.muon = muon_cls(muon_groups, **kw)
-        self.adamw = torch.optim.AdamW(adamw_groups)
-        self.all = [self.muon, self.adamw]
-
-    def step(self) -> None:
-        for opt in self.all:
-            opt.step()
-            opt.zero_grad()
-
-
 def _model(mesh_name: str) -> tuple[Any, nn.Module]:
     mesh, dp_mesh, tp_mesh = make_meshes(mesh_name)
     return mesh, shard_model(
@@ -240,8 +224,9 @@ def _parity(mesh_name: str, bucket_bytes: int | None, root: str | None) -> dict[
             check_same({n: g}, {n: p.grad}, f"step {step} grad", **TOL)
             worst["grad"] = max(worst["grad"], (g - p.grad).abs().max().item())
             p.grad.copy_(g)  # both optimizers step on the same gradients
-        opts.step()
-        ref_opts.step()
+        for o in (opts, ref_opts):
+            o.step()
+            o.zero_grad()
         params = full_params(model)
         if step == 0:
             _check_pieces(mesh_name, model, opts.muon, params)
@@ -269,6 +254,7 @@ def _parity(mesh_name: str, bucket_bytes: int | None, root: str | None) -> dict[
         x, y = tp_batch(2)
         tp_loss(fresh, rank_slice(x, rank, size), rank_slice(y, rank, size)).backward()
         fresh_opts.step()
+        fresh_opts.zero_grad()
         check_same(full_params(fresh), full_params(model), "resumed step 2", bitwise=True)
     return out
 

@@ -279,7 +279,10 @@ class FSDPState:
         if self.bwd_prefetch is not None:
             ctx.prefetch_for_backward([s.slot for s in self.bwd_prefetch])
         elif self.is_root:
-            ctx.defer_prefetch(self.slot.bwd_next, [p for g in groups for p in g.grad_params])
+            params = groups[0].grad_params
+            if len(groups) > 1:
+                params = [p for g in groups for p in g.grad_params]
+            ctx.defer_prefetch(self.slot.bwd_next, params)
         else:
             ctx.prefetch_for_backward(self.slot.bwd_next)
         for g in groups:

@@ -422,7 +422,7 @@ def parallelize_moe(
 
     Args:
         model: the model, with :func:`apply_expert_parallel` applied if ``ep_degree > 1``.
-        fully_shard: ``fsdp2.fully_shard`` or ``torch.distributed.fsdp.fully_shard``.
+        fully_shard: ``fsdp2.fully_shard`` or torch's FSDP2 ``fully_shard``.
         dp_mesh: the data-parallel mesh of the dense parameters: 1D (FSDP) or 2D (HSDP).
         efsdp_mesh: the mesh the experts are sharded over (FSDP) when ``ep_degree > 1``.
         ep_degree: the expert-parallel degree; 1 shards experts over ``dp_mesh``.
