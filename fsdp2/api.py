@@ -217,3 +217,45 @@ class ReduceScatter(Comm):
     ) -> dist.Work | None:
         """Run the reduce-scatter with reduce ``op``; return a ``Work`` (or ``None``
         if it completed synchronously)."""
+
+
+def _class_names(obj: object) -> set[str]:
+    return {c.__name__ for c in type(obj).__mro__}
+
+
+def as_mixed_precision_policy(policy: object) -> MixedPrecisionPolicy:
+    """``policy`` as fsdp2's :class:`MixedPrecisionPolicy`: itself, or a copy read by
+    field of another ``MixedPrecisionPolicy`` (torch's, built e.g. by accelerate's plugin).
+
+    Raises:
+        TypeError: ``policy`` is neither.
+    """
+    if isinstance(policy, MixedPrecisionPolicy):
+        return policy
+    fields = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+    if "MixedPrecisionPolicy" in _class_names(policy) and all(hasattr(policy, f) for f in fields):
+        return MixedPrecisionPolicy(**{f: getattr(policy, f) for f in fields})
+    raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(policy).__name__}")
+
+
+def as_offload_policy(policy: object) -> OffloadPolicy:
+    """``policy`` as fsdp2's :class:`OffloadPolicy` / :class:`CPUOffloadPolicy`: itself,
+    or a copy read by field of torch's ``OffloadPolicy`` / ``CPUOffloadPolicy``.
+
+    Raises:
+        TypeError: ``policy`` is none of these (another offload policy is refused, not
+            silently treated as no offloading).
+    """
+    if isinstance(policy, OffloadPolicy):
+        return policy
+    names = _class_names(policy)
+    if "CPUOffloadPolicy" in names and hasattr(policy, "pin_memory"):
+        return CPUOffloadPolicy(pin_memory=policy.pin_memory)
+    if type(policy).__name__ == "OffloadPolicy":
+        return OffloadPolicy()
+    hint = (
+        " (fsdp2 offloads with OffloadPolicy or CPUOffloadPolicy)"
+        if "OffloadPolicy" in names
+        else ""
+    )
+    raise TypeError(f"offload_policy must be an OffloadPolicy, got {type(policy).__name__}{hint}")

@@ -31,6 +31,8 @@ from fsdp2.api import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     ShardPlacementResult,
+    as_mixed_precision_policy,
+    as_offload_policy,
 )
 
 __all__ = [
@@ -155,12 +157,8 @@ def fully_shard(
     else:
         info = mesh_info(default_mesh() if mesh is None else mesh)
     post_forward = normalize_reshard_after_forward(reshard_after_forward, info.shard_size)
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(
-            f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}"
-        )
+    mp_policy = as_mixed_precision_policy(mp_policy)  # torch's policies too, read by field
+    offload_policy = as_offload_policy(offload_policy)
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError(
             f"shard_placement_fn must be callable, got {type(shard_placement_fn).__name__}"

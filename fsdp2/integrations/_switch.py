@@ -1,0 +1,247 @@
+"""The switch that points torch's FSDP2 names at fsdp2 (see [Note: the switch])."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+import torch.nn as nn
+
+import fsdp2
+
+__all__ = ["is_using_fsdp2", "restore_torch_fsdp", "use_fsdp2", "using_fsdp2"]
+
+# [Note: the switch]
+# Frameworks (accelerate, the HF Trainer, transformers, Lightning, torchtitan) import torch's
+# FSDP2 names from its two public modules, either when they load or inside the function that
+# shards. ``use_fsdp2`` replaces these names there by bridges and, in every module already
+# imported (outside torch and fsdp2) that copied one of torch's objects under the same name,
+# by the same bridge; modules imported later copy the bridges from torch's modules.
+# * ``fully_shard``: fsdp2's, refusing a tree torch's ``fully_shard`` already sharded;
+# * ``register_fsdp_forward_method``: torch's for torch's modules, fsdp2's otherwise (each
+#   engine's silently does nothing for the other's modules);
+# * ``FSDPModule`` and the three policies: classes whose ``isinstance`` / ``issubclass``
+#   accept either engine's class (a framework checks a model it built before the switch, or a
+#   plugin holding torch's policy objects) and whose call builds fsdp2's object. The bridge
+#   ``FSDPModule`` subclasses fsdp2's, so its methods (``unshard``, ``reshard``,
+#   ``set_requires_gradient_sync``) are fsdp2's; torch's modules have the same names.
+# fsdp2's ``fully_shard`` also reads torch's policy objects by field, so a plugin built before
+# the switch works. ``restore_torch_fsdp`` puts torch's objects back wherever a bridge is
+# (only bridges: a module that imported fsdp2's names from fsdp2 keeps them). Torch's own
+# modules are left alone: torch's engine keeps working on its modules meanwhile.
+
+_NAMES = (
+    "fully_shard",
+    "FSDPModule",
+    "register_fsdp_forward_method",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
+)
+# torch's public FSDP2 modules, spelled in parts (fsdp2 names no torch FSDP module literally).
+_TORCH = ".".join(("torch", "distributed"))
+_TORCH_MODULES = (
+    f"{_TORCH}.fsdp",
+    f"{_TORCH}._{'composable'}.fsdp",
+    f"{_TORCH}._{'composable'}.fsdp.fully_shard",
+)
+
+
+class _Either(type):
+    """Metaclass of the bridge classes: instances and subclasses of any of ``engines``
+    (fsdp2's class first) pass ``isinstance`` / ``issubclass``; calling the bridge builds
+    fsdp2's object."""
+
+    engines: tuple[type, ...]
+
+    def __instancecheck__(cls, obj: object) -> bool:
+        return any(isinstance(obj, c) for c in cls.engines)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return any(issubclass(sub, c) for c in cls.engines)
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if "engines" in cls.__dict__:  # the bridge itself, not a user's subclass of it
+            return cls.engines[0](*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+
+def _bridge_class(ours: type, theirs: type) -> type:
+    doc = (
+        f"fsdp2's ``{ours.__name__}`` standing in for torch's (fsdp2.integrations.use_fsdp2): "
+        f"``isinstance`` accepts either engine's; calling it builds fsdp2's.\n\n{ours.__doc__}"
+    )
+    attrs = {"engines": (ours, theirs), "__module__": __name__, "__doc__": doc}
+    return _Either(ours.__name__, (ours,), attrs)
+
+
+def _bridges(torch_objects: dict[str, Any]) -> dict[str, Any]:
+    torch_module_cls = torch_objects["FSDPModule"]
+    torch_register = torch_objects["register_fsdp_forward_method"]
+
+    def _torch_sharded(module: object) -> Iterator[str]:
+        roots = [module] if isinstance(module, nn.Module) else module
+        for root in roots if isinstance(roots, (list, tuple)) else ():
+            if not isinstance(root, nn.Module):
+                continue  # fsdp2's fully_shard says what is wrong with it
+            for name, m in root.named_modules():
+                if isinstance(m, torch_module_cls):
+                    yield f"{type(root).__name__}{'.' + name if name else ''}"
+
+    @functools.wraps(fsdp2.fully_shard)
+    def fully_shard(module: Any, *args: Any, **kwargs: Any) -> Any:
+        done = list(_torch_sharded(module))
+        if done:
+            raise RuntimeError(
+                f"fully_shard: {done[0]} was sharded by torch's fully_shard, before "
+                "fsdp2.integrations.use_fsdp2() was called; one model cannot mix the two "
+                "engines. Call use_fsdp2() before the model (or the framework) is sharded"
+            )
+        return fsdp2.fully_shard(module, *args, **kwargs)
+
+    @functools.wraps(fsdp2.register_fsdp_forward_method)
+    def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+        if isinstance(module, torch_module_cls):
+            torch_register(module, method_name)
+        else:
+            fsdp2.register_fsdp_forward_method(module, method_name)
+
+    out: dict[str, Any] = {
+        "fully_shard": fully_shard,
+        "register_fsdp_forward_method": register_fsdp_forward_method,
+    }
+    for name in ("FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"):
+        out[name] = _bridge_class(getattr(fsdp2, name), torch_objects[name])
+    return out
+
+
+class _Switch:
+    """The process-wide switch: torch's objects, their bridges, and where bridges are."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.active = False
+        self.torch_objects: dict[str, Any] = {}
+        self.bridges: dict[str, Any] = {}
+
+    def torch_modules(self) -> list[ModuleType]:
+        mods = []
+        for name in _TORCH_MODULES:
+            try:
+                mods.append(importlib.import_module(name))
+            except ImportError:  # a torch without the private alias
+                continue
+        return mods
+
+    def turn_on(self) -> None:
+        mods = self.torch_modules()
+        if not self.bridges:
+            public = mods[0]
+            missing = [n for n in _NAMES if not hasattr(public, n)]
+            if missing:
+                raise RuntimeError(
+                    f"fsdp2.integrations.use_fsdp2: torch {public.__name__} lacks {missing}; "
+                    "this torch is not one fsdp2 supports"
+                )
+            self.torch_objects = {n: getattr(public, n) for n in _NAMES}
+            if any(self.torch_objects[n] is fsdp2_obj for n, fsdp2_obj in self._ours()):
+                raise RuntimeError(
+                    "fsdp2.integrations.use_fsdp2: torch's FSDP2 names already point at fsdp2's "
+                    "objects (patched by hand?); undo that patch and call use_fsdp2() instead"
+                )
+            self.bridges = _bridges(self.torch_objects)
+        for mod in mods:  # torch's public modules: every name they hold
+            for name in _NAMES:
+                if name in vars(mod):
+                    setattr(mod, name, self.bridges[name])
+        self._replace(self.torch_objects, self.bridges)
+        self.active = True
+
+    def turn_off(self) -> None:
+        for mod in self.torch_modules():
+            for name in _NAMES:
+                if vars(mod).get(name) is self.bridges.get(name):
+                    setattr(mod, name, self.torch_objects[name])
+        self._replace(self.bridges, self.torch_objects)
+        self.active = False
+
+    def _ours(self) -> Iterator[tuple[str, Any]]:
+        for name in _NAMES:
+            yield name, getattr(fsdp2, name)
+
+    @staticmethod
+    def _replace(old: dict[str, Any], new: dict[str, Any]) -> None:
+        """In every loaded module outside torch and fsdp2, a global ``name`` that is
+        ``old[name]`` becomes ``new[name]``."""
+        for mod_name, mod in list(sys.modules.items()):
+            if mod_name.split(".")[0] in ("torch", "fsdp2") and mod_name not in _TORCH_MODULES:
+                continue
+            d = getattr(mod, "__dict__", None)
+            if not isinstance(d, dict):
+                continue
+            for name in _NAMES:
+                if name in old and d.get(name) is old[name]:
+                    d[name] = new[name]
+
+
+_SWITCH = _Switch()
+
+
+def use_fsdp2() -> None:
+    """Make code written for torch's FSDP2 use fsdp2: point ``fully_shard``, ``FSDPModule``,
+    ``register_fsdp_forward_method``, ``MixedPrecisionPolicy``, ``OffloadPolicy`` and
+    ``CPUOffloadPolicy`` in torch's FSDP modules, and in already-imported modules that
+    copied them (accelerate's, transformers', Lightning's, a training script's), at fsdp2.
+
+    Call it once, early: before a framework shards a model (before ``Accelerator.prepare``,
+    ``Trainer.train``, ``from_pretrained(..., distributed_config=...)``, ``Fabric.setup``).
+    Policy objects a framework built from torch's classes before the call are read by field;
+    ``isinstance(m, FSDPModule)`` holds for modules of either engine afterwards. Not a
+    wrapper around torch's engine: models sharded by the switched names are fsdp2's
+    (``fsdp2.set_debug``, ``fsdp2.timeline``, bucketing and ``fsdp2.checkpoint`` apply).
+
+    Idempotent: a second call only catches modules imported since the first. Thread-safe
+    (one lock); undone by :func:`restore_torch_fsdp`. Importing fsdp2 changes nothing: only
+    this call does.
+
+    Raises:
+        RuntimeError: torch's FSDP modules lack one of the names, or already hold fsdp2's
+            objects put there by hand. Sharding (with the switched ``fully_shard``) a model
+            part of which torch's ``fully_shard`` sharded before the call raises too.
+    """
+    with _SWITCH.lock:
+        _SWITCH.turn_on()
+
+
+def restore_torch_fsdp() -> None:
+    """Undo :func:`use_fsdp2`: torch's objects go back wherever the switch put fsdp2's
+    (torch's modules, modules that copied them, modules imported since). Modules already
+    sharded by fsdp2 stay fsdp2's. A no-op when the switch is off."""
+    with _SWITCH.lock:
+        if _SWITCH.active:
+            _SWITCH.turn_off()
+
+
+def is_using_fsdp2() -> bool:
+    """Whether :func:`use_fsdp2` is in effect."""
+    return _SWITCH.active
+
+
+@contextmanager
+def using_fsdp2() -> Iterator[None]:
+    """``with using_fsdp2(): ...``: :func:`use_fsdp2` for the block, undone at its end
+    unless the switch was already on when the block began (nesting is safe)."""
+    with _SWITCH.lock:
+        was_on = _SWITCH.active
+        _SWITCH.turn_on()
+    try:
+        yield
+    finally:
+        if not was_on:
+            restore_torch_fsdp()
