@@ -152,7 +152,8 @@ def estimate(cfg: Config) -> fsdp2.MemoryEstimate:
 def measure(cfg: Config) -> int:
     """This rank's measured peak of one steady-state step."""
     torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", cfg.mesh)
+    names = ("shard",) if len(cfg.mesh) == 1 else ("replicate", "shard")
+    mesh = init_device_mesh("cpu", cfg.mesh, mesh_dim_names=names)
     model = build(cfg)
     for block in model.layers:
         fsdp2.fully_shard(

@@ -77,6 +77,15 @@ def mesh_info(mesh: DeviceMesh) -> MeshInfo:
             f"got a {mesh.ndim}D mesh of shape {tuple(mesh.shape)}; for TP/EP slice the "
             "data-parallel dims first, e.g. mesh['dp'] or mesh['replicate', 'shard']"
         )
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        # see [Note: unnamed 2D meshes]
+        raise ValueError(
+            f"fully_shard got a 2D mesh of shape {tuple(mesh.shape)} without mesh_dim_names; "
+            "a 2D mesh means HSDP (dim 0 replicates, dim 1 shards), and like torch's "
+            "fully_shard fsdp2 wants that said: init_device_mesh(..., "
+            "mesh_dim_names=('replicate', 'shard')). For tensor parallelism slice the "
+            "data-parallel dims first (mesh['dp']) or pass dp_mesh_dims="
+        )
     shard_dim = mesh.ndim - 1
     replicate = mesh.get_group(0) if mesh.ndim == 2 else None
     return MeshInfo(
@@ -88,6 +97,16 @@ def mesh_info(mesh: DeviceMesh) -> MeshInfo:
         replicate_group=replicate,
         replicate_size=mesh.size(0) if mesh.ndim == 2 else 1,
     )
+
+
+# [Note: unnamed 2D meshes]
+# A 2D mesh is read by position: dim 0 replicates, dim 1 shards. With no names nothing in the
+# user's code says so: init_device_mesh("cpu", (2, 4)) meant as 2 shards x 4 replicas would
+# train without an error (the numbers are the same) with another memory per rank and other
+# traffic than intended. torch's fully_shard refuses an unnamed 2D mesh (an assertion);
+# fsdp2 refuses it too, with a ValueError naming the fix, before any collective, so code
+# moves between the two engines unchanged. The names themselves are not checked (torch does
+# not either). A 1D mesh needs no names: it can only mean FSDP.
 
 
 # [Note: dp_mesh_dims]

@@ -22,16 +22,17 @@ into and out of a sharded model, with bounded memory on every rank.
 # of ``DTensor.full_tensor()`` match across ranks; a writer's own failure (disk full) is
 # recorded, not raised, until every rank agrees at the end (``all_gather_object``): no
 # rank leaves the gathers early, so a failure is an error on every rank, never a hang.
-# Publication: writers write ``<file>.partial``; only when all have written do they rename
-# their files, then rank 0 writes the index (itself via a temporary name). Rank 0 removes
-# a previous index first, so an interrupted save over an old checkpoint is not complete.
+# Publication: a folder is written into a staging folder beside it and swapped in whole
+# once every rank has written its files, with the index and the Hugging Face config: see
+# [Note: atomic publication] in _publish.py. A save that fails or is killed leaves an older
+# checkpoint at ``path`` as it was.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -311,6 +312,7 @@ def save_full_checkpoint(
     dtype: torch.dtype | None = None,
     key_map: KeyMap | None = None,
     writers: int | None = None,
+    config: bool = True,
 ) -> list[str]:
     """Write ``model``'s full tensors as a Hugging Face-compatible safetensors checkpoint.
 
@@ -334,6 +336,15 @@ def save_full_checkpoint(
             file; ``None`` keeps each tensor's dtype.
         key_map: renames the model's names to the checkpoint's (see :data:`KeyMap`).
         writers: how many ranks write files (default: all).
+        config: for a directory ``path``, also write the model's Hugging Face config
+            (``model.config.save_pretrained``, ``config.json``) where it has one, so that
+            ``from_pretrained(path)`` builds this model and not transformers' defaults.
+            ``False``: weights only.
+
+    A directory is published whole (see [Note: atomic publication] in ``_publish.py``): it is
+    written as ``<path>.partial`` and swapped in when complete; files of an older checkpoint
+    at ``path`` that are not weights are kept. A save that fails or is killed leaves what was
+    at ``path`` before untouched and loadable.
 
     Returns:
         The paths of the files written (the index last, if any), on every rank.
@@ -343,7 +354,8 @@ def save_full_checkpoint(
             mapped to one: raised before any collective. ``ValueError`` on every rank, before
             any tensor is gathered, if the ranks would write different checkpoints
             (different models, key maps or arguments on some rank).
-        RuntimeError: a rank failed to write (on every rank, naming it); nothing is published.
+        RuntimeError: a rank failed to write (on every rank, naming it; disk full, say);
+            nothing is published and an older checkpoint at ``path`` is untouched.
     """
     limit = parse_size(max_shard_size)
     if dtype is not None and not dtype.is_floating_point:
@@ -367,7 +379,15 @@ def save_full_checkpoint(
     specs = _save_specs(named, key_map, dtype)
     files = plan_files(specs, limit, path, single_file)
     check_same_plan(files, n_writers)
-    return write_checkpoint(path, files, n_writers, rank, single_file)
+    hf_config = _hf_config(model) if config and not single_file else None
+    extra = None if hf_config is None else hf_config.save_pretrained
+    return write_checkpoint(path, files, n_writers, rank, single_file, extra)
+
+
+def _hf_config(model: nn.Module) -> Any:
+    """``model.config`` where it is a Hugging Face config (has ``save_pretrained``)."""
+    cfg = getattr(model, "config", None)
+    return cfg if callable(getattr(cfg, "save_pretrained", None)) else None
 
 
 def _save_specs(

@@ -15,12 +15,15 @@ writes it, the writer thread, agreement on errors and publication.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import queue
 import re
+import shutil
 import threading
+from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -30,6 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fsdp2.checkpoint._files import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, StreamWriter
+from fsdp2.checkpoint._publish import carry_over, prepare_stage, replace_dir, stage_of
 
 __all__ = [
     "Spec",
@@ -50,18 +54,31 @@ def write_checkpoint(
     n_writers: int,
     rank: int,
     single_file: bool,
+    extra: Callable[[str], None] | None = None,
 ) -> list[str]:
     """Gather every tensor to the rank writing its file, stream it there, publish the files
-    when all ranks succeeded (see [Note: full checkpoints] in __init__.py). Collective."""
-    folder = os.path.dirname(path) if single_file else path
+    when all ranks succeeded (see [Note: atomic publication] in _publish.py). ``extra(dir)``
+    runs on rank 0 before publication, to add files (the Hugging Face config). Collective."""
     error: str | None = None
+    stage = os.path.dirname(path) if single_file else stage_of(path)
+    if rank == 0:
+        try:
+            if single_file:
+                if stage:
+                    os.makedirs(stage, exist_ok=True)
+            else:
+                prepare_stage(path)
+        except Exception as e:
+            error = f"{type(e).__name__} preparing {stage}: {e}"
+    failed = agree(error)  # collective: the stage exists before any rank writes into it
+    if failed:
+        raise RuntimeError(f"save_full_checkpoint({path}) failed, nothing was published: {failed}")
+    staged = (
+        files if single_file else [(os.path.join(stage, os.path.basename(f)), m) for f, m in files]
+    )
     writers_of: dict[int, StreamWriter] = {}
     try:
-        if folder:
-            os.makedirs(folder, exist_ok=True)
-        if rank == 0 and not single_file and os.path.exists(os.path.join(path, SAFETENSORS_INDEX)):
-            os.remove(os.path.join(path, SAFETENSORS_INDEX))
-        for i, (file, members) in enumerate(files):
+        for i, (file, members) in enumerate(staged):
             if i % n_writers == rank:
                 writers_of[i] = StreamWriter(file, [(n, s.shape, s.dtype) for n, s in members])
     except Exception as e:
@@ -90,29 +107,41 @@ def write_checkpoint(
             error = f"{type(e).__name__}: {e}"
     failed = agree(error)
     if failed:
-        for writer in writers_of.values():
-            writer.abort()
+        _discard(writers_of, stage, rank, single_file)
         raise RuntimeError(f"save_full_checkpoint({path}) failed, nothing was published: {failed}")
     try:
         for writer in writers_of.values():
-            writer.publish()
+            writer.publish()  # within the stage, for a folder: see [Note: atomic publication]
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
-        for writer in writers_of.values():
-            writer.abort()  # the ones not renamed yet: no .partial files left behind
     failed = agree(error)
     if not failed and rank == 0 and not single_file:
         try:
-            finish_dir(path, files)
+            finish_dir(stage, files)
+            if extra is not None:
+                extra(stage)
+            carry_over(path, stage, _SHARD_FILE, SAFETENSORS_INDEX)
+            replace_dir(stage, path)
         except Exception as e:
-            error = f"{type(e).__name__} writing the index: {e}"
+            error = f"{type(e).__name__} publishing {path}: {e}"
     failed = agree(error)
     if failed:
-        raise RuntimeError(f"save_full_checkpoint({path}) failed while publishing: {failed}")
+        _discard(writers_of, stage, rank, single_file)
+        raise RuntimeError(f"save_full_checkpoint({path}) failed, nothing was published: {failed}")
     written = [file for file, _ in files]
     if len(files) > 1:
         written.append(os.path.join(path, SAFETENSORS_INDEX))
     return written
+
+
+def _discard(writers_of: dict[int, StreamWriter], stage: str, rank: int, single_file: bool) -> None:
+    """After a failure every rank agreed on: delete this rank's partial files, and (rank 0)
+    the stage. Best effort: the error being raised is the one to report."""
+    for writer in writers_of.values():
+        with contextlib.suppress(OSError):
+            writer.abort()
+    if rank == 0 and not single_file:
+        shutil.rmtree(stage, ignore_errors=True)
 
 
 class Disk:
@@ -337,17 +366,12 @@ def agree(error: str | None) -> str:
 
 
 def finish_dir(path: str, files: list[tuple[str, list[tuple[str, Spec]]]]) -> None:
-    """Rank 0, after every file is published: the index (if several files) and the
-    removal of weight files a previous save left that this one did not write."""
-    names = {os.path.basename(file) for file, _ in files}
+    """Rank 0, in the stage ``path`` once every file is in it: the index, if several files."""
     if len(files) > 1:
         weight_map = {ck: os.path.basename(file) for file, members in files for ck, _ in members}
         total = sum(s.shape.numel() * s.dtype.itemsize for _, m in files for _, s in m)
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        tmp = os.path.join(path, SAFETENSORS_INDEX + ".partial")
-        with open(tmp, "w") as f:
+        with open(os.path.join(path, SAFETENSORS_INDEX), "w") as f:
             json.dump(index, f, indent=2)
-        os.replace(tmp, os.path.join(path, SAFETENSORS_INDEX))
-    for entry in os.listdir(path):
-        if _SHARD_FILE.match(entry) and entry not in names:
-            os.remove(os.path.join(path, entry))
+            f.flush()
+            os.fsync(f.fileno())

@@ -74,7 +74,8 @@ def _measure(
     kind: str, mesh_shape: tuple[int, ...], reshard: bool | int, bf16: bool, ac: bool
 ) -> int:
     torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", mesh_shape)
+    names = ("shard",) if len(mesh_shape) == 1 else ("replicate", "shard")
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     model = _build(kind, ac)
     for block in model.layers:
         fsdp2.fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=_mp(bf16))
