@@ -187,7 +187,17 @@ def bucket_key(group: ParamGroup) -> tuple[Any, ...] | None:
         return None  # HSDP partial sums are kept per group
     pg = r.group or group.info.shard_group
     dtype = group.reduce_dtype or group.param_dtype
-    return (pg, group.info.replicate_group, group.world, dtype, group.device, group.divide_plan)
+    # param_dtype too: the packing copy takes gradients of one dtype (bf16 and fp32 gradients
+    # both reduced in fp32 go in separate buckets)
+    return (
+        pg,
+        group.info.replicate_group,
+        group.world,
+        dtype,
+        group.param_dtype,
+        group.device,
+        group.divide_plan,
+    )
 
 
 def _paths(parts: list[Part]) -> str:

@@ -1,0 +1,50 @@
+"""Hypothesis profiles of the property-based parity suite: ``ci`` (default) and ``long``.
+
+Chosen by ``HYPOTHESIS_PROFILE`` in the environment of pytest (read in the parent; the rank
+processes get the choice as arguments). Both run only the explicit and generate phases, with
+no example database: every rank of a gloo group must draw the same examples and issue the
+same collectives, so nothing may depend on a rank's history, and shrinking (which replays
+examples under a time budget) is off. ``ci`` is derandomized (a fixed seed: the same
+examples on every run) with a fixed example count per world size, about a minute on 2 cores
+for all world sizes together; ``long`` draws many more, from ``FSDP2_PROPERTY_SEED`` (a
+random seed if unset, printed by the test so that a failure can be replayed).
+
+Profiles are registered here, not loaded: ``settings.load_profile`` would change the
+defaults of every other hypothesis test in the session.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, Phase, settings
+
+PROFILE_ENV = "HYPOTHESIS_PROFILE"
+SEED_ENV = "FSDP2_PROPERTY_SEED"
+
+# Examples per world size; ws 4 on 2 shared cores costs most per example.
+EXAMPLES: dict[str, dict[int, int]] = {
+    "ci": {1: 8, 2: 10, 3: 6, 4: 6},
+    "long": {1: 150, 2: 250, 3: 150, 4: 150},
+}
+
+_COMMON = {
+    "deadline": None,
+    "database": None,
+    "phases": [Phase.explicit, Phase.generate],
+    "suppress_health_check": list(HealthCheck),
+    "print_blob": False,
+}
+settings.register_profile("ci", derandomize=True, **_COMMON)  # type: ignore[arg-type]
+settings.register_profile("long", derandomize=False, **_COMMON)  # type: ignore[arg-type]
+
+
+def profile_name() -> str:
+    name = os.environ.get(PROFILE_ENV, "ci")
+    if name not in EXAMPLES:
+        raise ValueError(f"{PROFILE_ENV}={name!r}: the property suite knows {sorted(EXAMPLES)}")
+    return name
+
+
+def profile(name: str, max_examples: int) -> settings:
+    return settings(settings.get_profile(name), max_examples=max_examples)
