@@ -40,7 +40,9 @@ import argparse
 import json
 import math
 import os
+import re
 import resource
+import shutil
 import sys
 import time
 
@@ -402,11 +404,34 @@ def find_checkpoint(args: argparse.Namespace, parser: _Parser) -> str:
             parser.error(f"--resume {args.resume}: not a checkpoint directory")
         return args.resume
     steps = []
-    if os.path.isdir(args.checkpoint_dir):
-        steps = sorted(d for d in os.listdir(args.checkpoint_dir) if d.startswith("step_"))
+    if os.path.isdir(args.checkpoint_dir):  # complete ones only: see save_checkpoint
+        steps = sorted(d for d in os.listdir(args.checkpoint_dir) if re.fullmatch(r"step_\d+", d))
     if not steps:
         parser.error(f"--resume: no step_* checkpoint in --checkpoint-dir {args.checkpoint_dir}")
     return os.path.join(args.checkpoint_dir, steps[-1])
+
+
+def save_checkpoint(state: dict, path: str) -> None:
+    """``dcp.save`` into ``<path>.partial``, renamed to ``path`` once every rank has written
+    its part and rank 0 the metadata: a save that fails or is killed (a rank dies, the disk
+    fills) never leaves a ``step_*`` directory that ``--resume`` would take for complete, and
+    older checkpoints stay as they were. Collective."""
+    tmp, rank = path + ".partial", dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
+    dist.barrier()
+    dcp.save(state, checkpoint_id=tmp)  # fsyncs its files; .metadata is written last
+    dist.barrier()  # every rank returned: the checkpoint in tmp is complete
+    if rank == 0:
+        if os.path.isdir(path):  # a rerun over the same step
+            shutil.rmtree(path)
+        os.rename(tmp, path)
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the rename itself on disk
+        finally:
+            os.close(fd)
+    dist.barrier()
 
 
 def load_checkpoint(path: str, model, optims, gen: torch.Generator, parser: _Parser):
@@ -571,8 +596,7 @@ def train(args: argparse.Namespace, parser: _Parser, device: torch.device) -> di
             say(f"step {step:4d} validation loss {history['val'][-1][1]:.4f}", flush=True)
         if step == args.steps or (args.save_every and step % args.save_every == 0):
             ckpt_path = os.path.join(args.checkpoint_dir, f"step_{step:06d}")
-            state = checkpoint_state(model, optims, step, gen, history)
-            dcp.save(state, checkpoint_id=ckpt_path)
+            save_checkpoint(checkpoint_state(model, optims, step, gen, history), ckpt_path)
     if args.export:
         save_full_checkpoint(model, args.export)
 
