@@ -354,6 +354,8 @@ def _communication(layout: str) -> None:
             out_call, back_call = calls[f"s{i}"], calls[f"r{i}"]
             assert out_call[2] is bucket_groups[i] and back_call[2] is bucket_groups[i]
             assert out_call[0] == back_call[1] and out_call[1] == back_call[0], (i, events)
+            me = dist.get_rank(bucket_groups[i])  # its shards of its own matrices stay here
+            assert out_call[0][me] == 0 and out_call[1][me] == 0, (i, events)
         if n > 1:  # the next bucket's shards go out before this bucket's Newton-Schulz
             first_ns = next(i for i, e in enumerate(events) if e[0] == "ns")
             assert [e[0] for e in events[:2]] == ["a2a", "a2a"] and first_ns >= 2, events
@@ -386,6 +388,30 @@ def _communication(layout: str) -> None:
 @pytest.mark.parametrize("world, layout", [(2, "1d"), (4, "hsdp"), (4, "mixed")])
 def test_communication(world: int, layout: str) -> None:
     run_on_ranks(world, _communication, layout)
+
+
+def _local_only_bucket() -> None:
+    # A 1x8 matrix on 2 ranks: rank 1's shard is empty and rank 0 owns it, so its bucket
+    # moves nothing and makes no collective; the 9x4's bucket exchanges as usual.
+    torch.manual_seed(0)
+    full = [torch.randn(1, 8), torch.randn(9, 4)]
+    params = [nn.Parameter(distribute_tensor(t, world_mesh(), [Shard(0)])) for t in full]
+    for p in params:
+        p.grad = distribute_tensor(torch.randn(p.shape), p.device_mesh, p.placements)
+    ref = [nn.Parameter(t.clone()) for t in full]
+    for p, q in zip(params, ref, strict=True):
+        q.grad = full_value(p.grad)
+    opt = Muon(params, lr=0.02, bucket_bytes=1)
+    with _record() as events:
+        opt.step()
+    assert [e[0] for e in events if e[0] == "a2a"] == ["a2a", "a2a"], events
+    torch.optim.Muon(ref, lr=0.02).step()
+    for i, (p, q) in enumerate(zip(params, ref, strict=True)):
+        check_same({f"{i}": full_value(p)}, {f"{i}": q.detach()}, "param", bitwise=True)
+
+
+def test_local_only_bucket() -> None:
+    run_on_ranks(2, _local_only_bucket)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ on an unsharded replica with the same (averaged) gradients, bit for bit:
    Newton-Schulz cost (``m * n * min(m, n)``), the same on every rank. The ranks send their
    shards of the update (in bfloat16, the precision the iteration runs in) to the owner,
    which puts the full matrix together, orthogonalizes it and sends every rank its shard of
-   the result back.
+   the result back. The owner's own shard never goes through the collective (the momentum
+   update writes it straight where the owner reads it, and its result stays there).
 3. Each rank applies weight decay and its shard of the orthogonalized update, scaled by the
    adjusted learning rate, to its local shard.
 
@@ -40,9 +41,12 @@ mesh dim only (mesh dims of one rank do not count) takes the path above: its pie
 ``torch.cat``-ed and ``torch.split``. Replicas (HSDP's, or TP's for a matrix TP does not
 split) repeat the same work each.
 
-Memory: two flat bfloat16 buffers per bucket in flight (the send buffer, which receives
-the results back, and the receive buffer, whose shards the results overwrite), at most two
-buckets in flight, and one full matrix (with its Newton-Schulz temporaries) at a time.
+Memory, per bucket in flight (at most two), in bfloat16: this rank's shards of the other
+owners' matrices (the send buffer, dropped once sent, then the results coming back into a
+new one), its shards of its own matrices, and the other ranks' shards of its matrices (the
+receive buffer, whose shards the results overwrite, dropped once sent back): about one
+bucket's full matrices at 2 ranks, less at more; plus one full matrix with its
+Newton-Schulz temporaries at a time.
 
 Known limits: ``Partial`` placements are refused (``NotImplementedError``), and so are
 several ``Shard``/``_StridedShard`` placements on a mesh without ``mesh_dim_names`` (flattening

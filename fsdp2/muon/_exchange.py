@@ -80,6 +80,8 @@ class _Bucket:
     owned: list[_Matrix]
     to_owners: list[int]  # numel this rank sends to each rank (its shards of their matrices)
     from_ranks: list[int]  # numel this rank receives from each rank (shards of its matrices)
+    own: int  # numel of this rank's shards of its own matrices (not sent: 0 in the lists)
+    traffic: bool  # whether any rank sends anything (else no collective)
 
 
 def _buckets(route: _Route, bucket_bytes: int) -> list[_Bucket]:
@@ -110,28 +112,34 @@ def _buckets(route: _Route, bucket_bytes: int) -> list[_Bucket]:
         for m in ms:
             to_owners[m.owner] += m.piece_numel(me)
         from_ranks = [sum(m.piece_numel(r) for m in owned) for r in range(route.world)]
-        out.append(_Bucket(route, order, owned, to_owners, from_ranks))
+        own = to_owners[me]
+        to_owners[me] = from_ranks[me] = 0
+        traffic = any(m.piece_numel(r) for m in ms for r in range(route.world) if r != m.owner)
+        out.append(_Bucket(route, order, owned, to_owners, from_ranks, own, traffic))
     return out
 
 
 class _Exchange:
-    """An ``all_to_all_single`` in flight (or, without a process group, its input)."""
+    """An ``all_to_all_single`` in flight (none without traffic), and this rank's shards of
+    its own matrices, which stay here (``own``)."""
 
     def __init__(
         self,
-        route: _Route,
+        bucket: _Bucket,
         flat: torch.Tensor,
         send: list[int],
         receive: list[int],
-        out: torch.Tensor | None = None,
+        own: torch.Tensor,
     ) -> None:
         self.work: Any = None
         self.inp: torch.Tensor | None = None
-        if route.pg is None:
-            self.out = flat
+        self.own = own
+        route = bucket.route
+        if route.pg is None or not bucket.traffic:
+            self.out = flat.new_empty(sum(receive))  # nothing to receive: every size is 0
             return
         self.inp = flat  # kept alive until the collective finished
-        self.out = flat.new_empty(sum(receive)) if out is None else out
+        self.out = flat.new_empty(sum(receive))
         self.work = dist.all_to_all_single(
             self.out,
             flat,
@@ -154,54 +162,66 @@ def _run(buckets: list[_Bucket]) -> None:
     bucket's shards go out before this bucket's Newton-Schulz runs."""
     if not buckets:
         return
-    to_owners, sent = _send_to_owners(buckets[0])
+    to_owners = _send_to_owners(buckets[0])
     returning: deque[tuple[_Bucket, _Exchange]] = deque()
     for i, bucket in enumerate(buckets):
-        received = to_owners.wait()
-        spare = sent  # this bucket's send buffer: sent, it receives the results back
+        received = to_owners.wait()  # the send buffer goes here (sent)
+        own = to_owners.own
         if i + 1 < len(buckets):
-            to_owners, sent = _send_to_owners(buckets[i + 1])
-        returning.append((bucket, _orthogonalize(bucket, received, spare)))
-        del received, spare
+            to_owners = _send_to_owners(buckets[i + 1])
+        returning.append((bucket, _orthogonalize(bucket, received, own)))
+        del received, own
         if len(returning) > 1:
             _apply(*returning.popleft())
     while returning:
         _apply(*returning.popleft())
 
 
-def _send_to_owners(bucket: _Bucket) -> tuple[_Exchange, torch.Tensor]:
+def _send_to_owners(bucket: _Bucket) -> _Exchange:
     """Update the momentum of the bucket's shards and send each shard's update (bfloat16)
-    to its matrix's owner. Returns the exchange and its send buffer (which has the layout
-    the results come back in)."""
+    to its matrix's owner; the shards of this rank's own matrices go to the exchange's
+    ``own`` buffer instead."""
     route = bucket.route
     flat = torch.empty(sum(bucket.to_owners), dtype=torch.bfloat16, device=route.device)
-    offset = 0
+    own = torch.empty(bucket.own, dtype=torch.bfloat16, device=route.device)
+    offsets = {True: 0, False: 0}  # in ``own``, in ``flat``
     for m in bucket.order:
         assert m.buf is not None
         momentum = m.group["momentum"]
         m.buf.lerp_(m.grad, 1 - momentum)
-        update = m.grad.lerp(m.buf, momentum) if m.group["nesterov"] else m.buf
-        n = update.numel()
-        flat[offset : offset + n].view(update.shape).copy_(update)  # to bfloat16, in place
-        offset += n
-        del update
-    return _Exchange(route, flat, bucket.to_owners, bucket.from_ranks), flat
+        n = m.grad.numel()
+        mine = m.owner == route.rank
+        start = offsets[mine]
+        offsets[mine] += n
+        slot = (own if mine else flat)[start : start + n].view(m.grad.shape)
+        if not m.group["nesterov"]:
+            slot.copy_(m.buf)  # to bfloat16, in place
+        elif slot.device == m.grad.device:
+            torch.lerp(m.grad, m.buf, momentum, out=slot)  # the same rounding, no temporary
+        else:  # offloaded shards, the exchange on the mesh's device
+            slot.copy_(m.grad.lerp(m.buf, momentum))
+    return _Exchange(bucket, flat, bucket.to_owners, bucket.from_ranks, own)
 
 
-def _orthogonalize(bucket: _Bucket, received: torch.Tensor, spare: torch.Tensor) -> _Exchange:
-    """Put this rank's matrices together from the shards received, orthogonalize them and
-    send every rank its shards of the results. The results overwrite the shards they came
-    from in ``received`` (the return exchange's layout is the same), and come back into
-    ``spare`` (this bucket's send buffer, already sent): two flat buffers per bucket."""
+def _orthogonalize(bucket: _Bucket, received: torch.Tensor, own: torch.Tensor) -> _Exchange:
+    """Put this rank's matrices together from the shards received and its own, orthogonalize
+    them and send every rank its shards of the results. The results overwrite the shards
+    they came from in ``received`` (the return exchange's layout is the same) and in
+    ``own``; the others come back into a new buffer. So at most about one bucket's worth of
+    flat buffers is alive on a rank at once: its shards (sent, then ``own``) and those of
+    its matrices (``received``, then the results coming back)."""
     route = bucket.route
+    me = route.rank
     offsets = [0]
     for n in bucket.from_ranks[:-1]:
         offsets.append(offsets[-1] + n)
+    offsets[me] = 0  # this rank's pieces: in ``own``
     for m in bucket.owned:
         pieces = []
         for r in range(route.world):
             n = m.piece_numel(r)
-            pieces.append(received[offsets[r] : offsets[r] + n].view(m.piece_shape(r)))
+            source = own if r == me else received
+            pieces.append(source[offsets[r] : offsets[r] + n].view(m.piece_shape(r)))
             offsets[r] += n
         if m.pieces is None:
             full = pieces[0] if route.world == 1 else torch.cat(pieces, dim=m.dim)
@@ -216,22 +236,22 @@ def _orthogonalize(bucket: _Bucket, received: torch.Tensor, spare: torch.Tensor)
         else:
             results = tuple(ortho[index] for index in m.pieces.index)
         for piece, result in zip(pieces, results, strict=True):
-            piece.copy_(result)  # the shard's slot in ``received`` now holds its result
+            piece.copy_(result)  # the shard's slot now holds its result
         del full, ortho, results, pieces
-    if route.pg is None:
-        spare.copy_(received)  # one rank: the results are this rank's, in its order
-        return _Exchange(route, spare, bucket.from_ranks, bucket.to_owners)
-    return _Exchange(route, received, bucket.from_ranks, bucket.to_owners, out=spare)
+    return _Exchange(bucket, received, bucket.from_ranks, bucket.to_owners, own)
 
 
 def _apply(bucket: _Bucket, exchange: _Exchange) -> None:
     """Weight decay and this rank's shards of the orthogonalized updates."""
     received = exchange.wait()
-    offset = 0
+    offsets = {True: 0, False: 0}  # in ``own``, in ``received``
     for m in bucket.order:
         n = m.local.numel()
-        update = received[offset : offset + n].view(m.local.shape).to(m.local.device)
-        offset += n
+        mine = m.owner == bucket.route.rank
+        start = offsets[mine]
+        offsets[mine] += n
+        source = exchange.own if mine else received
+        update = source[start : start + n].view(m.local.shape).to(m.local.device)
         g = m.group
         lr = _scalar(g["lr"])
         m.local.mul_(1 - lr * g["weight_decay"])
