@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -316,16 +315,27 @@ class MeshCache:
             t = self.placeholders[key] = torch.empty(0, dtype=like.dtype, device=like.device)
         return t
 
+    def __reduce__(self) -> tuple[type[MeshCache], tuple[()]]:
+        # A pickled or deep-copied mesh (torch.save of a DTensor, copy.deepcopy of a model)
+        # gets an empty cache: process groups do not pickle, and a copy is another mesh.
+        return (MeshCache, ())
 
-# By mesh identity (an equal mesh object gets its own groups, as its user would expect),
-# dropped when the mesh is garbage collected.
-_MESH_CACHES: dict[int, MeshCache] = {}
+
+# [Note: mesh caches]
+# A mesh's cache is an attribute of the mesh itself, so it lives and dies with the mesh: a
+# global map by id(mesh) would hold the cached DTensorSpecs, which hold the mesh, so no
+# mesh (nor its specs, placeholder tensors and process groups) would ever be freed: a
+# model rebuilt 50 times on fresh meshes kept 50 caches (tests/reliability/
+# test_long_runs.py). By mesh identity: an equal mesh object gets its own groups, as its
+# user would expect.
+_CACHE_ATTR = "_fsdp2_mesh_cache"
 
 
 def mesh_cache(mesh: DeviceMesh) -> MeshCache:
-    """``mesh``'s cache (created on first use; lives as long as ``mesh``)."""
-    cache = _MESH_CACHES.get(id(mesh))
+    """``mesh``'s cache (created on first use; lives as long as ``mesh``; see
+    [Note: mesh caches])."""
+    cache: MeshCache | None = mesh.__dict__.get(_CACHE_ATTR)
     if cache is None:
-        cache = _MESH_CACHES[id(mesh)] = MeshCache()
-        weakref.finalize(mesh, _MESH_CACHES.pop, id(mesh), None)
+        cache = MeshCache()
+        setattr(mesh, _CACHE_ATTR, cache)
     return cache
