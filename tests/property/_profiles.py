@@ -24,8 +24,8 @@ SEED_ENV = "FSDP2_PROPERTY_SEED"
 
 # Examples per world size; ws 4 on 2 shared cores costs most per example.
 EXAMPLES: dict[str, dict[int, int]] = {
-    "ci": {1: 8, 2: 10, 3: 6, 4: 6},
-    "long": {1: 150, 2: 250, 3: 150, 4: 150},
+    "ci": {1: 25, 2: 30, 3: 16, 4: 16},
+    "long": {1: 400, 2: 600, 3: 400, 4: 400},
 }
 
 _COMMON = {

@@ -11,7 +11,8 @@
 
 It returns a list of problems (empty: all good) instead of raising, so that the ranks can
 agree on the outcome before anyone raises (``agree``): hypothesis then sees the same result
-on every rank and every rank moves to the same next example.
+on every rank and every rank moves to the same next example. An exception the spec did not
+call for is different: it is raised at once, past hypothesis (``Unexpected``).
 
 # [Note: the replicated reference]
 # ``Reference`` keeps fp32 master weights and a ``low`` copy whose parameters are cast to the
@@ -237,7 +238,9 @@ def _shard_or_error(spec: Spec, model: Block, mesh: DeviceMesh, errors: list[str
         with HUB.observing(counter):
             shard(spec, model, mesh)
     except Exception as e:
-        if expected is None or not isinstance(e, expected[0]) or not re.search(expected[1], str(e)):
+        if expected is None:
+            raise
+        if not isinstance(e, expected[0]) or not re.search(expected[1], str(e)):
             errors.append(f"fully_shard raised {type(e).__name__}: {e}; expected {expected}")
         elif counter.collectives:
             errors.append(f"{counter.collectives} collectives issued before {e!r}")
@@ -264,9 +267,25 @@ def check_spec(
             return errors
         _train(spec, model, errors)
         stats["trained"] = stats.get("trained", 0) + 1
-    except Exception:
-        errors.append(traceback.format_exc(limit=-4))
+    except Exception as e:
+        where = f"rank {dist.get_rank()} raised"
+        raise Unexpected(f"{spec!r}\n{where}:\n{traceback.format_exc()}") from e
     return errors
+
+
+class Unexpected(BaseException):
+    """An exception the spec did not call for. Raised at once on the rank that saw it, past
+    hypothesis (a ``BaseException``: no replay of the example), without agreeing first: the
+    other ranks may be blocked in a collective this rank will never join, and any collective
+    of ours would meet theirs. The harness then reports this rank's traceback and the other
+    ranks' stacks."""
+
+
+def _any_rank(errors: list[str]) -> bool:
+    """Whether any rank has found a problem (collective: the ranks stop together)."""
+    flag = torch.tensor([float(bool(errors))])
+    dist.all_reduce(flag)
+    return bool(flag.item())
 
 
 def _train(spec: Spec, model: Block, errors: list[str]) -> None:
@@ -298,7 +317,7 @@ def _train(spec: Spec, model: Block, errors: list[str]) -> None:
                 if g.dtype != FP32:
                     errors.append(f"{what}: dtype {g.dtype}")
                 _close(g, want, ref.tols[name], what, errors)
-        if errors:
+        if _any_rank(errors):
             return
         want_params = ref.step(grads)
         opt.step()
@@ -306,7 +325,6 @@ def _train(spec: Spec, model: Block, errors: list[str]) -> None:
         got_params = full_params(model)
         if list(got_params) != list(want_params):
             errors.append(f"parameter names {list(got_params)} != {list(want_params)}")
-            return
         for name, full in got_params.items():
             _close(full, want_params[name], 0.0, f"step {step} param {name}", errors)
         if [id(p) for p in model.parameters()] != ids:
@@ -315,7 +333,7 @@ def _train(spec: Spec, model: Block, errors: list[str]) -> None:
             for pname, p in m._parameters.items():
                 if p is not None and not isinstance(p, DTensor):
                     errors.append(f"step {step}: {mname}.{pname} is registered unsharded")
-        if errors:
+        if _any_rank(errors):
             return
 
 

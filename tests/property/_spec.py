@@ -168,7 +168,7 @@ def expected_error(spec: Spec) -> tuple[type[Exception], str] | None:
 
     The first failing call in ``plan`` order raises: an int ``reshard_after_forward`` that
     does not divide the shard size, or the call managing a parent's weight that a child
-    tied to it while another call manages the child's parameters.
+    tied to it while another call manages the child's parameters (either, when both).
     """
     own = owners(spec)
     crossing: set[str] = set()  # calls that find a tied weight managed by an earlier call
@@ -182,12 +182,15 @@ def expected_error(spec: Spec) -> tuple[type[Exception], str] | None:
 
     walk(spec.root, "")
     for label, _, call in plan(spec, build_skeleton(spec)):
+        found = []  # one call with both errors may raise either
         r = call.reshard
         if isinstance(r, int) and not isinstance(r, bool):
             if r < 1 or r > spec.shard_size or spec.shard_size % r:
-                return ValueError, rf"reshard_after_forward={r} must divide"
+                found.append(rf"reshard_after_forward={r} must divide")
         if label in crossing:
-            return ValueError, r"is shared with fully_shard"
+            found.append(r"is shared with fully_shard")
+        if found:
+            return ValueError, "|".join(found)
     return None
 
 
