@@ -245,3 +245,30 @@ def test_switch_on_two_ranks() -> None:
         assert "sharded by torch's fully_shard" in str(out["late_error"]), out
         assert "Call use_fsdp2() before" in str(out["late_error"]), out
         assert out["trained"] == 3 and out["restored"], out
+
+
+def test_transformers_module_loaded_before_the_switch() -> None:
+    """transformers' ``distributed.fsdp`` copies ``fully_shard`` and the policies when it
+    loads (``from_pretrained(..., distributed_config=...)`` uses them): switched in place."""
+    fsdp_mod = pytest.importorskip("transformers.distributed.fsdp")
+    assert fsdp_mod.fully_shard is torch_fully_shard
+    with using_fsdp2():
+        assert fsdp_mod.fully_shard is torch_fsdp.fully_shard is not torch_fully_shard
+        assert fsdp_mod.MixedPrecisionPolicy is torch_fsdp.MixedPrecisionPolicy
+    assert fsdp_mod.fully_shard is torch_fully_shard
+
+
+def test_docs_snippets_run() -> None:
+    """Every Python block of docs/frameworks.md runs, in order, in one namespace."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[2] / "docs" / "frameworks.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) >= 3, len(blocks)
+    namespace: dict[str, object] = {}
+    try:
+        for block in blocks:
+            exec(compile(block, "docs/frameworks.md", "exec"), namespace)
+    finally:
+        restore_torch_fsdp()
