@@ -28,7 +28,7 @@ import torch.distributed as dist
 from _harness import run_on_ranks
 from _profiles import EXAMPLES, SEED_ENV, profile, profile_name
 from _run import agree, check_spec, make_meshes
-from _spec import Spec, specs
+from _spec import Spec, open_bug, specs
 from hypothesis import given
 from hypothesis import seed as hypothesis_seed
 
@@ -44,6 +44,9 @@ def _property(world_size: int, name: str, max_examples: int, seed: int | None) -
     @given(spec=specs(world_size))
     def check(spec: Spec) -> None:
         seen["examples"] += 1
+        if open_bug(spec) is not None:  # the same on every rank: the ranks skip together
+            seen["skipped (open bug)"] = seen.get("skipped (open bug)", 0) + 1
+            return
         errors = check_spec(spec, meshes, seen)
         agree(spec, errors)
 

@@ -33,3 +33,37 @@ def test_bucketed_reduce_of_bf16_and_fp32_gradients(world_size: int) -> None:
     )
     spec = Spec(world_size, None, 2, root, bucket_bytes=1 << 20, seed=1651)
     _check(world_size, spec)
+
+
+# Found by the long profile (FSDP2_PROPERTY_SEED=12345, world size 3), as the loss of rank 1
+# differing from the reference at step 1.
+_SCALAR_REPLICAS = Spec(
+    world_size=3,
+    mesh=(1, 3),
+    dim=5,
+    root=Node(
+        tie="self",
+        shard=Call(reshard=3, policy="reduce-bf16"),
+        shard_children=Call(reshard=1, policy="reduce-bf16"),
+        children=(
+            Node(bias=False, extras=((7,),), buffer=True, tie="self"),
+            Node(extras=((9,), ()), buffer=True),
+        ),
+    ),
+    accumulation="nosync",
+    seed=7347,
+)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="0-dim parameters are replicated, their gradient reduced by writing it into every "
+    "rank's slot of the reduce-scatter ([Note: scalars] in fsdp2/_core/group.py); gloo sums "
+    "each slot in another order, so with 3+ ranks the replicas' gradients differ by an ulp "
+    "(bf16 reduce_dtype: visible) and the replicated parameter diverges across ranks. A fix "
+    "needs every rank to keep one slot's sum (e.g. all-gather or broadcast it), not a minimal diff",
+)
+def test_scalar_parameter_replicas_get_the_same_gradient() -> None:
+    """Rank 1's copy of ``kids.1.e1`` (0-dim, reduce_dtype=bf16) gets 0.53125 where ranks 0
+    and 2 get 0.52734375 after step 0: rank 1's next loss differs from the reference."""
+    _check(3, _SCALAR_REPLICAS)
