@@ -197,5 +197,5 @@ def test_pl_trainer_configure_model(tmp_path) -> None:
     assert out["torch-engine"] == "torch" and out["fsdp2-engine"] == "fsdp2", out
     assert len(out["torch"]["losses"]) == STEPS, out["torch"]["losses"]
     check_same_run(out["fsdp2"], out["torch"])
-    assert len(out["resume-torch"]["losses"]) == 2, out["resume-torch"]["losses"]  # resumed
+    assert 1 <= len(out["resume-torch"]["losses"]) <= 2, out["resume-torch"]  # resumed
     check_same_run(out["resume-fsdp2"], out["resume-torch"], "resume")
