@@ -24,8 +24,8 @@ SEED_ENV = "FSDP2_PROPERTY_SEED"
 
 # Examples per world size; ws 4 on 2 shared cores costs most per example.
 EXAMPLES: dict[str, dict[int, int]] = {
-    "ci": {1: 25, 2: 30, 3: 16, 4: 16},
-    "long": {1: 400, 2: 600, 3: 400, 4: 400},
+    "ci": {1: 100, 2: 120, 3: 80, 4: 80},
+    "long": {1: 1000, 2: 1500, 3: 1000, 4: 1000},
 }
 
 _COMMON = {
