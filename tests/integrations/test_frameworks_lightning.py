@@ -13,10 +13,21 @@ parameters bitwise.
   check is ``isinstance(module, FSDPModule)`` on torch's name), the odd ones reduce and step.
   Then ``fabric.save`` sharded (DCP) and full (one file); a fresh model ``fabric.load`` s each
   and trains 2 more micro-steps: fsdp2 from torch's checkpoints equals torch from its own;
-* the PL ``Trainer``: a ``LightningModule`` whose ``configure_model`` shards; 4 batches
-  with ``accumulate_grad_batches=2``, ``trainer.save_checkpoint`` (sharded), then a new
-  ``Trainer`` resumes (``ckpt_path``) for 2 more batches: fsdp2 from torch's checkpoint
-  equals torch from its own.
+* the PL ``Trainer``: a ``LightningModule`` whose ``configure_model`` shards; 2 epochs of 2
+  batches per rank with ``accumulate_grad_batches=2``, ``trainer.save_checkpoint``
+  (sharded), then a new ``Trainer`` resumes (``ckpt_path``) for a third epoch, exactly its 2
+  batches: fsdp2 from torch's checkpoint equals torch from its own.
+
+[Note: PL resume counts] The runs are bounded by ``max_epochs``, not ``max_steps``. With
+``max_steps``, Lightning treats every resume as a mid-epoch restart
+(``_FitLoop.restarting`` is forced on for iteration-based training), so a checkpoint saved
+when ``fit`` stopped at the end of an epoch starts the next epoch at ``batch_idx`` = the
+batches the saved epoch had completed (2): the resumed run trained ``len(loader) - 2``
+batches of that epoch, and stepped on its last one even with one micro-batch accumulated.
+That count followed the resumed loader's length, not the checkpoint (1 with the 3-batch
+loader the test used, 2 with a 4-batch one), so it was right only by accident. An epoch-bound
+resume of an end-of-epoch checkpoint starts a fresh epoch at ``batch_idx`` 0: the test
+asserts the exact (epoch, batch_idx) of every resumed batch.
 """
 
 from __future__ import annotations
@@ -139,6 +150,7 @@ def _lightning_module() -> Any:
             super().__init__()
             self.llama = tiny_llama()
             self.losses: list[float] = []
+            self.seen: list[tuple[int, int]] = []  # (epoch, batch_idx) of each batch
 
         def configure_model(self) -> None:
             _parallelize(self.llama, self.device_mesh)
@@ -146,6 +158,7 @@ def _lightning_module() -> Any:
         def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
             loss = self.llama(input_ids=batch, labels=batch).loss
             self.losses.append(mean_loss(loss))
+            self.seen.append((self.current_epoch, batch_idx))
             return loss
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -154,7 +167,7 @@ def _lightning_module() -> Any:
     return TinyLlama()
 
 
-def _trainer(max_steps: int) -> Any:
+def _trainer(max_epochs: int) -> Any:
     import lightning as L
     from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -162,7 +175,7 @@ def _trainer(max_steps: int) -> Any:
         accelerator="cpu",
         devices=2,
         strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-        max_steps=max_steps,
+        max_epochs=max_epochs,  # see [Note: PL resume counts]
         accumulate_grad_batches=2,
         logger=False,
         enable_checkpointing=False,
@@ -171,31 +184,41 @@ def _trainer(max_steps: int) -> Any:
     )
 
 
-def _data(steps: int) -> Any:
-    return torch.utils.data.DataLoader([tokens(s)[0] for s in range(steps)], batch_size=1)
+def _data() -> Any:
+    """This rank's 4 sequences; Lightning's ``DistributedSampler`` gives each rank 2 per epoch."""
+    return torch.utils.data.DataLoader([tokens(s)[0] for s in range(4)], batch_size=1)
+
+
+EPOCHS = 2  # 2 batches per rank each: 2 optimizer steps, then one more epoch on resume
 
 
 def _trainer_case(tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for engine in ENGINES:
         with _engine(engine):
-            module, trainer = _lightning_module(), _trainer(STEPS // 2)
-            trainer.fit(module, _data(STEPS))
+            module, trainer = _lightning_module(), _trainer(EPOCHS)
+            trainer.fit(module, _data())
             out[engine] = record(module.losses, module.llama)
+            out[f"{engine}-seen"] = module.seen
             out[f"{engine}-engine"] = type(module.llama).__module__.split(".")[0]
             trainer.save_checkpoint(os.path.join(tmp, f"{engine}.ckpt"))
     for engine in ENGINES:
         with _engine(engine):
-            module, trainer = _lightning_module(), _trainer(STEPS // 2 + 1)
-            trainer.fit(module, _data(STEPS + 2), ckpt_path=os.path.join(tmp, "torch.ckpt"))
+            module, trainer = _lightning_module(), _trainer(EPOCHS + 1)
+            trainer.fit(module, _data(), ckpt_path=os.path.join(tmp, "torch.ckpt"))
             out[f"resume-{engine}"] = record(module.losses, module.llama)
+            out[f"resume-{engine}-seen"] = module.seen
+            out[f"resume-{engine}-step"] = trainer.global_step
     return out
 
 
 def test_pl_trainer_configure_model(tmp_path) -> None:
     out = run_on_ranks(2, _trainer_case, str(tmp_path))[0]
     assert out["torch-engine"] == "torch" and out["fsdp2-engine"] == "fsdp2", out
-    assert len(out["torch"]["losses"]) == STEPS, out["torch"]["losses"]
+    for engine in ENGINES:
+        assert out[f"{engine}-seen"] == [(0, 0), (0, 1), (1, 0), (1, 1)], out
+        # resumed: a fresh epoch 2 from its first batch, one optimizer step (see the Note)
+        assert out[f"resume-{engine}-seen"] == [(2, 0), (2, 1)], out
+        assert out[f"resume-{engine}-step"] == 3, out
     check_same_run(out["fsdp2"], out["torch"])
-    assert 1 <= len(out["resume-torch"]["losses"]) <= 2, out["resume-torch"]  # resumed
     check_same_run(out["resume-fsdp2"], out["resume-torch"], "resume")
