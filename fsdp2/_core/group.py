@@ -8,8 +8,12 @@ above (reduce.py, driven by the step layer).
 # layout a scalar takes one element per rank (its own copy), the all-gather
 # brings every rank's copy and the unsharded parameter views the first; for
 # reduction its gradient is written into every rank's slot, so the
-# reduce-scatter sums it over ranks like an all-reduce. Its DTensor placement
-# is ``Replicate()`` and each rank holds the same averaged gradient.
+# reduce-scatter sums it over ranks like an all-reduce. Each rank's slot is summed in
+# its own order, so the sums may differ by a rounding: before landing, every rank takes
+# shard rank 0's (``_agree_on_scalars`` in reduce.py: one small all-reduce per reduction
+# of a group with 0-dim gradients, rank 0 adding its values and the others zeros, exact).
+# Its DTensor placement is ``Replicate()`` and each rank holds the same averaged gradient,
+# bit for bit.
 
 # [Note: release]
 # The root's group stays unsharded from forward through backward (so does any group with

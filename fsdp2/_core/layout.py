@@ -153,6 +153,7 @@ class GroupLayout:
             for m, n in p.owners
         ]
         self.grad_params = [p for p in self.params if p.requires_grad]
+        self.has_scalars = any(p.is_scalar for p in self.grad_params)  # see reduce.py
 
     def shard_mesh(self) -> DeviceMesh:
         """The mesh the shard dim spans (what extension hooks receive)."""

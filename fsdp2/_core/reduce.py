@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from fsdp2._core.collectives import DividePlan, all_reduce, reduce_scatter
@@ -109,6 +110,8 @@ class Reduction:
             self.pending = all_reduce(output, replicate, paths, op=self.plan.ar_op)
             return False
         for part, out in self._slices(output):
+            if part.group.has_scalars:
+                _agree_on_scalars(part, out)
             if part.group.reduce.hook is not None:
                 part.group.reduce.hook(out)
             if self.plan.post is not None:
@@ -223,6 +226,30 @@ def reduce(parts: list[Part]) -> Reduction:
         comm=group.reduce.comm,
     )
     return Reduction(parts, pending, plan)
+
+
+def _agree_on_scalars(part: Part, out: torch.Tensor) -> None:
+    """Give every rank shard rank 0's sum of each 0-dim parameter's gradient ([Note:
+    scalars] in group.py): each rank's slot summed the copies in its own order, so the
+    replicas' gradients could differ by a rounding. An all-reduce in which only rank 0
+    contributes (the others add zeros, which is exact) copies its values to every rank."""
+    g = part.group
+    pg = g.reduce.group or g.info.shard_group
+    if g.world == 1:
+        return
+    index, offset = [], 0
+    for p in part.params:
+        if p.is_scalar:
+            index.append(offset)
+        offset += p.padded_numel
+    if not index:
+        return
+    at = torch.tensor(index, device=out.device)
+    values = out.index_select(0, at)
+    if pg.rank() != 0:
+        values.zero_()
+    all_reduce(values, pg, lambda: f"0-dim gradients of {g.path}", op=dist.ReduceOp.SUM).wait()
+    out.index_copy_(0, at, values)
 
 
 def land_grads(group: ParamGroup, params: list[FSDPParam], output: torch.Tensor) -> bool:

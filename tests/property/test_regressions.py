@@ -55,15 +55,10 @@ _SCALAR_REPLICAS = Spec(
 )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="0-dim parameters are replicated, their gradient reduced by writing it into every "
-    "rank's slot of the reduce-scatter ([Note: scalars] in fsdp2/_core/group.py); gloo sums "
-    "each slot in another order, so with 3+ ranks the replicas' gradients differ by an ulp "
-    "(bf16 reduce_dtype: visible) and the replicated parameter diverges across ranks. A fix "
-    "needs every rank to keep one slot's sum (e.g. all-gather or broadcast it), not a minimal diff",
-)
 def test_scalar_parameter_replicas_get_the_same_gradient() -> None:
-    """Rank 1's copy of ``kids.1.e1`` (0-dim, reduce_dtype=bf16) gets 0.53125 where ranks 0
-    and 2 get 0.52734375 after step 0: rank 1's next loss differs from the reference."""
+    """0-dim parameters are replicated; their gradient is written into every rank's slot of
+    the reduce-scatter, and each slot is summed in another order: rank 1's copy of
+    ``kids.1.e1`` (0-dim, reduce_dtype=bf16) got 0.53125 where ranks 0 and 2 got 0.52734375
+    after step 0, and rank 1's next loss differed from the reference. Fixed in
+    fsdp2/_core/reduce.py (``_agree_on_scalars``: every rank takes shard rank 0's sum)."""
     _check(3, _SCALAR_REPLICAS)
