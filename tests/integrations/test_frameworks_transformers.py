@@ -14,7 +14,9 @@ under the switch, in fp32 and with ``fsdp_mixed_precision=True`` (transformers b
   modules with either engine;
 * the loaded parameters equal the saved ones;
 * 2 steps of forward / backward / AdamW: the rank-averaged losses and the final full
-  parameters are bitwise equal to torch's.
+  parameters are bitwise equal to torch's;
+* ``save_pretrained`` (transformers gathers the full weights through torch's
+  ``get_model_state_dict``) writes the trained weights, the same file as torch's.
 
 No shim: transformers builds its mesh on the accelerator torch reports (the CPU here) and
 uses the process group already initialized (the harness's gloo group).
@@ -54,6 +56,7 @@ def _units(model: Any) -> dict[str, str]:
 
 
 def _case(tmp: str, mixed_precision: bool) -> dict[str, Any]:
+    from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
     from transformers.distributed import DistributedConfig
 
@@ -78,6 +81,10 @@ def _case(tmp: str, mixed_precision: bool) -> dict[str, Any]:
                 opt.zero_grad()
                 losses.append(mean_loss(loss))
             out[engine] = record(losses, model)
+            model.save_pretrained(os.path.join(tmp, engine))  # gathers the full weights
+            dist.barrier()
+            if dist.get_rank() == 0:
+                out[f"{engine}-saved"] = load_file(os.path.join(tmp, engine, "model.safetensors"))
     return out
 
 
@@ -90,3 +97,7 @@ def test_from_pretrained_distributed_config(tmp_path, mixed_precision: bool) -> 
         loaded = out[f"{engine}-loaded"]
         check_same(loaded, {n: out["saved"][n] for n in loaded}, f"{engine} loaded", bitwise=True)
     check_same_run(out["fsdp2"], out["torch"])
+    check_same(out["fsdp2-saved"], out["torch-saved"], "save_pretrained", bitwise=True)
+    saved, trained = out["torch-saved"], out["torch"]["params"]  # the trained weights
+    assert sorted(saved) == sorted(trained), (sorted(saved), sorted(trained))
+    check_same(saved, {n: trained[n] for n in saved}, "saved", bitwise=True)
