@@ -25,7 +25,9 @@ when ``fit`` stopped at the end of an epoch starts the next epoch at ``batch_idx
 batches the saved epoch had completed (2): the resumed run trained ``len(loader) - 2``
 batches of that epoch, and stepped on its last one even with one micro-batch accumulated.
 That count followed the resumed loader's length, not the checkpoint (1 with the 3-batch
-loader the test used, 2 with a 4-batch one), so it was right only by accident. An epoch-bound
+loader the test used, 2 with a 4-batch one), so it was right only by accident; it was 1 alone
+and after the other framework files in one worker pool alike (no state leaked between tests;
+measured with the (epoch, batch_idx) record below). An epoch-bound
 resume of an end-of-epoch checkpoint starts a fresh epoch at ``batch_idx`` 0: the test
 asserts the exact (epoch, batch_idx) of every resumed batch.
 """
