@@ -159,7 +159,9 @@ class _Exchange:
 
 def _run(buckets: list[_Bucket]) -> None:
     """Momentum, exchanges, Newton-Schulz and the update, bucket by bucket: the next
-    bucket's shards go out before this bucket's Newton-Schulz runs."""
+    bucket's shards go out before this bucket's Newton-Schulz runs, and this rank's own
+    shards are worked on while the others travel (their momentum after the shards went out,
+    their update before the results come back)."""
     if not buckets:
         return
     to_owners = _send_to_owners(buckets[0])
@@ -169,38 +171,48 @@ def _run(buckets: list[_Bucket]) -> None:
         own = to_owners.own
         if i + 1 < len(buckets):
             to_owners = _send_to_owners(buckets[i + 1])
-        returning.append((bucket, _orthogonalize(bucket, received, own)))
+        results = _orthogonalize(bucket, received, own)
         del received, own
+        _apply(bucket, results, mine=True)
+        returning.append((bucket, results))
         if len(returning) > 1:
-            _apply(*returning.popleft())
+            _apply(*returning.popleft(), mine=False)
     while returning:
-        _apply(*returning.popleft())
+        _apply(*returning.popleft(), mine=False)
 
 
 def _send_to_owners(bucket: _Bucket) -> _Exchange:
     """Update the momentum of the bucket's shards and send each shard's update (bfloat16)
-    to its matrix's owner; the shards of this rank's own matrices go to the exchange's
-    ``own`` buffer instead."""
+    to its matrix's owner: first the shards of the other ranks' matrices, then, while they
+    travel, this rank's own, into the exchange's ``own`` buffer."""
     route = bucket.route
     flat = torch.empty(sum(bucket.to_owners), dtype=torch.bfloat16, device=route.device)
     own = torch.empty(bucket.own, dtype=torch.bfloat16, device=route.device)
-    offsets = {True: 0, False: 0}  # in ``own``, in ``flat``
+    _pack(bucket, flat, mine=False)
+    exchange = _Exchange(bucket, flat, bucket.to_owners, bucket.from_ranks, own)
+    _pack(bucket, own, mine=True)
+    return exchange
+
+
+def _pack(bucket: _Bucket, into: torch.Tensor, *, mine: bool) -> None:
+    """The momentum update of the bucket's shards of this rank's matrices (``mine``) or of
+    the others', each shard's update written to ``into`` in bfloat16, in wire order."""
+    offset = 0
     for m in bucket.order:
+        if (m.owner == bucket.route.rank) != mine:
+            continue
         assert m.buf is not None
         momentum = m.group["momentum"]
         m.buf.lerp_(m.grad, 1 - momentum)
         n = m.grad.numel()
-        mine = m.owner == route.rank
-        start = offsets[mine]
-        offsets[mine] += n
-        slot = (own if mine else flat)[start : start + n].view(m.grad.shape)
+        slot = into[offset : offset + n].view(m.grad.shape)
+        offset += n
         if not m.group["nesterov"]:
             slot.copy_(m.buf)  # to bfloat16, in place
         elif slot.device == m.grad.device:
             torch.lerp(m.grad, m.buf, momentum, out=slot)  # the same rounding, no temporary
         else:  # offloaded shards, the exchange on the mesh's device
             slot.copy_(m.grad.lerp(m.buf, momentum))
-    return _Exchange(bucket, flat, bucket.to_owners, bucket.from_ranks, own)
 
 
 def _orthogonalize(bucket: _Bucket, received: torch.Tensor, own: torch.Tensor) -> _Exchange:
@@ -241,17 +253,17 @@ def _orthogonalize(bucket: _Bucket, received: torch.Tensor, own: torch.Tensor) -
     return _Exchange(bucket, received, bucket.from_ranks, bucket.to_owners, own)
 
 
-def _apply(bucket: _Bucket, exchange: _Exchange) -> None:
-    """Weight decay and this rank's shards of the orthogonalized updates."""
-    received = exchange.wait()
-    offsets = {True: 0, False: 0}  # in ``own``, in ``received``
+def _apply(bucket: _Bucket, exchange: _Exchange, *, mine: bool) -> None:
+    """Weight decay and this rank's shards of the orthogonalized updates: of its own
+    matrices (``mine``: the results are here) or of the others' (waits for them)."""
+    source = exchange.own if mine else exchange.wait()
+    offset = 0
     for m in bucket.order:
+        if (m.owner == bucket.route.rank) != mine:
+            continue
         n = m.local.numel()
-        mine = m.owner == bucket.route.rank
-        start = offsets[mine]
-        offsets[mine] += n
-        source = exchange.own if mine else received
-        update = source[start : start + n].view(m.local.shape).to(m.local.device)
+        update = source[offset : offset + n].view(m.local.shape).to(m.local.device)
+        offset += n
         g = m.group
         lr = _scalar(g["lr"])
         m.local.mul_(1 - lr * g["weight_decay"])
