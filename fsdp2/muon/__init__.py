@@ -23,7 +23,9 @@ on an unsharded replica with the same (averaged) gradients, bit for bit:
 The communication goes by buckets of about ``bucket_bytes`` of full matrices, in two
 ``all_to_all_single`` calls per bucket (shards to the owners, results back) over the process
 group of the mesh dim that shards the parameters; the next bucket's first exchange is issued
-before this bucket's Newton-Schulz runs, so they overlap. Plain (unsharded) tensors,
+before this bucket's Newton-Schulz runs, so they overlap; and a rank works on its own
+shards while the others travel (their momentum after the other shards went out, their
+update before the results come back). Plain (unsharded) tensors,
 replicated DTensors and meshes of one rank take the same path without collectives.
 
 Tensor parallelism + FSDP (``parallelize_module`` on ``mesh["tp"]``, then ``fully_shard`` on
