@@ -212,6 +212,23 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
 _IO_DIMS = {"mlp": (7, 1), "mlp_head": (7, 2), "residual": (5, 3)}  # (input, output) features
 
 
+def hf_llama_config(vocab_size: int, **overrides: Any) -> Any:
+    """A tiny Hugging Face ``LlamaConfig`` (2 decoder layers, hidden 32, 4 heads, 2 KV heads)
+    for the transformers, PEFT and framework tests (transformers imported here, lazily)."""
+    from transformers import LlamaConfig
+
+    fields: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+    }
+    return LlamaConfig(**(fields | overrides))
+
+
 def build(name: str, seed: int = 0) -> nn.Module:
     """A fresh model of kind ``name`` (a key of ``MODELS``), initialized under ``seed``."""
     torch.manual_seed(seed)

@@ -234,9 +234,9 @@ def _agree_on_scalars(part: Part, out: torch.Tensor) -> None:
     replicas' gradients could differ by a rounding. An all-reduce in which only rank 0
     contributes (the others add zeros, which is exact) copies its values to every rank."""
     g = part.group
-    pg = g.reduce.group or g.info.shard_group
     if g.world == 1:
         return
+    pg = g.reduce.group or g.info.shard_group
     index, offset = [], 0
     for p in part.params:
         if p.is_scalar:

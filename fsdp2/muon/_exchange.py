@@ -134,12 +134,11 @@ class _Exchange:
         self.work: Any = None
         self.inp: torch.Tensor | None = None
         self.own = own
+        self.out = flat.new_empty(sum(receive))
         route = bucket.route
         if route.pg is None or not bucket.traffic:
-            self.out = flat.new_empty(sum(receive))  # nothing to receive: every size is 0
-            return
+            return  # nothing to move: every size is 0
         self.inp = flat  # kept alive until the collective finished
-        self.out = flat.new_empty(sum(receive))
         self.work = dist.all_to_all_single(
             self.out,
             flat,

@@ -50,7 +50,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from _harness import run_on_ranks
 from helpers import WORLD_SIZES, mine, world_mesh
-from models import full_params
+from models import full_params, hf_llama_config
 from torch.distributed.tensor import DTensor
 
 import fsdp2
@@ -81,18 +81,7 @@ def _quiet() -> None:
 
 
 def _config(tied: bool):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tied,
-    )
+    return hf_llama_config(VOCAB, tie_word_embeddings=tied)
 
 
 def _llama(tied: bool, seed: int = 0) -> nn.Module:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from helpers import mine
-from models import full_params
+from models import full_params, hf_llama_config
 
 VOCAB = 128
 BATCH, SEQ = 4, 16  # the global batch of one micro-step, split over the ranks
@@ -25,17 +25,7 @@ ENGINES = ("torch", "fsdp2")
 
 
 def llama_config() -> Any:
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    return hf_llama_config(VOCAB)
 
 
 def tiny_llama(seed: int = 0) -> nn.Module:

@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 from _harness import run_on_ranks
 from helpers import check_close_run, check_same_run, mine, world_mesh
-from models import full_params, mean_over_ranks
+from models import full_params, hf_llama_config, mean_over_ranks
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp import register_fsdp_forward_method as torch_register_method
@@ -76,17 +76,7 @@ def _quiet() -> None:
 
 
 def _llama_config():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    return hf_llama_config(VOCAB)
 
 
 def _lora_llama() -> nn.Module:

@@ -38,7 +38,7 @@ from helpers import (
     step_all,
     world_mesh,
 )
-from models import build
+from models import build, hf_llama_config
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
@@ -96,18 +96,10 @@ def test_unnamed_2d_mesh_rejected_like_torch() -> None:
 
 def _hf_config_saved(root: str) -> None:
     import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     transformers.logging.set_verbosity_error()
-    cfg = LlamaConfig(
-        vocab_size=99,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    cfg = hf_llama_config(99)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     for layer in model.model.layers:
