@@ -80,15 +80,12 @@ class _Exchange:
 
     __slots__ = ("works", "recv", "own", "avg")
 
-    def __init__(self, works: list[Any], recv: torch.Tensor, own: torch.Tensor, avg: bool) -> None:
+    def __init__(self, works: _Works, recv: torch.Tensor, own: torch.Tensor, avg: bool) -> None:
         self.works, self.recv, self.own, self.avg = works, recv, own, avg
 
     def wait(self) -> None:
-        if not self.works:
+        if not self.works.wait():
             return
-        for w in self.works:
-            w.wait()
-        self.works = []
         self.recv.add_(self.own)  # a + b: the same bits in either order
         if self.avg:
             self.recv.div_(2)
@@ -99,18 +96,46 @@ _EXCHANGE_TAG = 0x46534450  # p2p tags of fsdp2's exchanges (apart from users' o
 _GATHER_TAG = 0x46534447
 
 
+# [Note: dropped exchanges]
+# A gloo send or receive must not die unwaited. Say a step raised with exchanges in flight
+# and its model was then dropped, not ``reset_iter_state``d (which waits). Then the next
+# collective on that process group hung on every rank, even a gloo collective of another
+# model (tests/reliability/test_dropped_step.py: 3 hangs in 3 before this; in CI, a test
+# after one whose recompute raised hung 4 times in about 11). So every exchange's works are
+# held by a ``_Works``. If it dies unwaited, it hands them to ``_DROPPED``, which keeps them
+# and their tensors alive, and each exchange first waits for those. Every rank posted them
+# (a failure all ranks share), so the wait ends. A failure only some ranks saw leaves the
+# ranks at odds anyway, and debug mode names it.
+_DROPPED: list[list[Any]] = []
+
+
 class _Works:
-    """Several point-to-point works waited as one."""
+    """Point-to-point works waited as one; handed to ``_DROPPED`` if dropped unwaited."""
 
     __slots__ = ("works",)
 
     def __init__(self, works: list[Any]) -> None:
-        self.works = works
+        self.works: list[Any] | None = works
 
-    def wait(self) -> None:
+    def wait(self) -> bool:
+        """Wait for the works; False if they were waited before."""
+        if self.works is None:
+            return False
         for w in self.works:
             w.wait()
-        self.works = []
+        self.works = None
+        return True
+
+    def __del__(self) -> None:
+        if self.works:
+            _DROPPED.append(self.works)
+
+
+def _wait_dropped() -> None:
+    """Wait for the works of exchanges dropped in flight (see [Note: dropped exchanges])."""
+    while _DROPPED:
+        for w in _DROPPED.pop():
+            w.wait()
 
 
 def all_gather_by_exchange(
@@ -119,6 +144,7 @@ def all_gather_by_exchange(
     """All-gather into the ``(world, numel)`` ``output`` by sending ``input`` to every peer
     and receiving each peer's straight into its row (see [Note: gloo all-gather]). This
     rank's own row is left to ``Pending.wait`` (or read from ``input`` by ``wait_rows``)."""
+    _wait_dropped()
     me, world = group.rank(), output.size(0)
     works = []
     for k in range(1, world):
@@ -183,16 +209,14 @@ class Received:
 
     def __init__(
         self,
-        works: list[Any],
+        works: _Works,
         staged: list[tuple[torch.Tensor, list[int], list[torch.Tensor]]],
         own: tuple[torch.Tensor, list[int], list[torch.Tensor]] | None,
     ) -> None:
         self.works, self.staged, self.own = works, staged, own
 
     def wait_works(self) -> None:
-        for w in self.works:
-            w.wait()
-        self.works = []
+        self.works.wait()
 
     def fill(self) -> None:
         """Copy what did not arrive in place (staged pieces, this rank's own row)."""
@@ -216,6 +240,7 @@ def all_gather_into(
     ``rows[r][i]``: rank ``r``'s piece ``i`` (each ``(sizes[i],)``, allocated), by sends and
     receives (see [Note: gloo straight in and out])."""
     me, world = group.rank(), len(rows)
+    _wait_dropped()
     segs = _segments(tuple(sizes), input.element_size())
     works: list[Any] = []
     staged: list[tuple[torch.Tensor, list[int], list[torch.Tensor]]] = []
@@ -230,7 +255,7 @@ def all_gather_into(
                 into = torch.empty(n, dtype=input.dtype, device=input.device)
                 staged.append((into, [sizes[i] for i in idx], [rows[src][i] for i in idx]))
             works.append(dist.irecv(into, group=group, group_src=src, tag=_GATHER_TAG))
-    return Received(works, staged, (input, sizes, rows[me]))
+    return Received(_Works(works), staged, (input, sizes, rows[me]))
 
 
 class _ExchangeGrads:
@@ -241,7 +266,7 @@ class _ExchangeGrads:
 
     def __init__(
         self,
-        works: list[Any] | None,
+        works: _Works,
         dsts: list[torch.Tensor],
         owns: list[torch.Tensor],
         small: tuple[torch.Tensor, torch.Tensor, list[int], list[torch.Tensor]] | None,
@@ -252,11 +277,8 @@ class _ExchangeGrads:
         self.output = output
 
     def wait(self) -> None:
-        if self.works is None:  # done
+        if not self.works.wait():  # done
             return
-        for w in self.works:
-            w.wait()
-        self.works = None
         if self.dsts:
             torch._foreach_add_(self.dsts, self.owns)  # a + b: the same bits in either order
         if self.small is not None:
@@ -314,6 +336,7 @@ def reduce_scatter_grads(
         numel += half * inner
     if not any(p[-1] for p in plan):
         return None
+    _wait_dropped()
     out = torch.empty(numel, dtype=dtype, device=grads[0].device)
     works: list[Any] = []
     dsts, owns, small_grads, small_dsts, small_sizes = [], [], [], [], []
@@ -342,11 +365,12 @@ def reduce_scatter_grads(
         works.append(dist.isend(packed[peer], group=group, group_dst=peer, tag=_EXCHANGE_TAG))
         works.append(dist.irecv(recv, group=group, group_src=peer, tag=_EXCHANGE_TAG))
         small = (recv, packed[me], small_sizes, small_dsts)
-    work = _ExchangeGrads(works, dsts, owns, small, op == dist.ReduceOp.AVG, out)
+    work = _ExchangeGrads(_Works(works), dsts, owns, small, op == dist.ReduceOp.AVG, out)
     return Pending(out, work)  # type: ignore[arg-type]
 
 
 def reduce_scatter_by_exchange(input: torch.Tensor, op: Any, group: dist.ProcessGroup) -> Pending:
+    _wait_dropped()
     me = group.rank()
     peer = 1 - me
     recv = torch.empty_like(input[me])
@@ -354,7 +378,7 @@ def reduce_scatter_by_exchange(input: torch.Tensor, op: Any, group: dist.Process
         dist.isend(input[peer], group=group, group_dst=peer, tag=_EXCHANGE_TAG),
         dist.irecv(recv, group=group, group_src=peer, tag=_EXCHANGE_TAG),
     ]
-    work = _Exchange(works, recv, input[me], op == dist.ReduceOp.AVG)
+    work = _Exchange(_Works(works), recv, input[me], op == dist.ReduceOp.AVG)
     return Pending(recv, work, input)  # type: ignore[arg-type]
 
 
