@@ -103,7 +103,7 @@ _GATHER_TAG = 0x46534447
 # model (tests/reliability/test_dropped_step.py: 3 hangs in 3 before this; in CI, a test
 # after one whose recompute raised hung 4 times in about 11). So every exchange's works are
 # held by a ``_Works``. If it dies unwaited, it hands them to ``_DROPPED``, which keeps them
-# and their tensors alive, and each exchange first waits for those. Every rank posted them
+# and their tensors alive, and each new exchange waits for those. Every rank posted them
 # (a failure all ranks share), so the wait ends. A failure only some ranks saw leaves the
 # ranks at odds anyway, and debug mode names it.
 _DROPPED: list[list[Any]] = []
@@ -116,6 +116,7 @@ class _Works:
 
     def __init__(self, works: list[Any]) -> None:
         self.works: list[Any] | None = works
+        _wait_dropped()  # every new exchange: see [Note: dropped exchanges]
 
     def wait(self) -> bool:
         """Wait for the works; False if they were waited before."""
@@ -144,7 +145,6 @@ def all_gather_by_exchange(
     """All-gather into the ``(world, numel)`` ``output`` by sending ``input`` to every peer
     and receiving each peer's straight into its row (see [Note: gloo all-gather]). This
     rank's own row is left to ``Pending.wait`` (or read from ``input`` by ``wait_rows``)."""
-    _wait_dropped()
     me, world = group.rank(), output.size(0)
     works = []
     for k in range(1, world):
@@ -240,7 +240,6 @@ def all_gather_into(
     ``rows[r][i]``: rank ``r``'s piece ``i`` (each ``(sizes[i],)``, allocated), by sends and
     receives (see [Note: gloo straight in and out])."""
     me, world = group.rank(), len(rows)
-    _wait_dropped()
     segs = _segments(tuple(sizes), input.element_size())
     works: list[Any] = []
     staged: list[tuple[torch.Tensor, list[int], list[torch.Tensor]]] = []
@@ -336,7 +335,6 @@ def reduce_scatter_grads(
         numel += half * inner
     if not any(p[-1] for p in plan):
         return None
-    _wait_dropped()
     out = torch.empty(numel, dtype=dtype, device=grads[0].device)
     works: list[Any] = []
     dsts, owns, small_grads, small_dsts, small_sizes = [], [], [], [], []
@@ -370,7 +368,6 @@ def reduce_scatter_grads(
 
 
 def reduce_scatter_by_exchange(input: torch.Tensor, op: Any, group: dist.ProcessGroup) -> Pending:
-    _wait_dropped()
     me = group.rank()
     peer = 1 - me
     recv = torch.empty_like(input[me])

@@ -6,12 +6,12 @@ in flight. On gloo, fsdp2 all-gathers and reduce-scatters by sends and receives.
 an unwaited send or receive made a later collective hang: in CI, a test whose recompute
 raised was followed by the ``reset_iter_state`` test in the same workers, and that test's
 first all-gather hung 4 times in about 11 runs. Once the works were kept alive it passed
-18 runs in 18. fsdp2 now keeps such works (and their tensors) and waits for them before its
+18 runs in 18. fsdp2 now keeps such works (and their tensors) and waits for them at its
 next exchange ([Note: dropped exchanges] in fsdp2/_core/gloo.py).
 
 * ``test_dropped_exchange_is_kept_and_waited`` checks the mechanism: a 2-rank
   reduce-scatter by exchange, dropped unwaited, keeps its works in ``gloo._DROPPED``. The
-  next exchange waits for them first, and its result is right.
+  next exchange waits for them, and its result is right.
 * ``test_model_dropped_mid_backward_leaves_group_usable`` checks the user's case:
   - fsdp2's and torch's FSDP2 models raise in backward, once the last blocks'
     reduce-scatters and the first block's prefetched all-gather are posted. Rank 1 is
@@ -131,7 +131,7 @@ def _dropped_exchange() -> None:
     again = gloo.reduce_scatter_by_exchange(
         torch.full((2, 3), 10.0 * (me + 1)), dist.ReduceOp.SUM, group
     )
-    assert not gloo._DROPPED, "the dropped exchange was not waited before the next one"
+    assert not gloo._DROPPED, "the dropped exchange was not waited by the next one"
     torch.testing.assert_close(again.wait(), torch.full((3,), 30.0), rtol=0, atol=0)
 
 
