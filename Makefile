@@ -36,7 +36,16 @@ GPU_CHECK_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 DEVICE ?= cuda
 OUT ?= runs/gpu-check
 
-.PHONY: venv test train lint clean distclean compat gpu-check
+# `make test-isa`: the suite with torch's, oneDNN's and MKL's instruction sets capped, as on a
+# CPU without AVX-512 (ISA=avx2, the default) or with none of the vector units torch uses
+# (ISA=default): kernels then sum in other orders, so a comparison that holds only on this
+# CPU's rounding fails here first (docs/testing.md).
+ISA ?= avx2
+ISA_ENV = ATEN_CPU_CAPABILITY=$(ISA) \
+	ONEDNN_MAX_CPU_ISA=$(if $(filter default,$(ISA)),SSE41,AVX2) \
+	MKL_ENABLE_INSTRUCTIONS=$(if $(filter default,$(ISA)),SSE4_2,AVX2)
+
+.PHONY: venv test test-isa train lint clean distclean compat gpu-check
 
 venv: $(STAMP)
 
@@ -48,6 +57,9 @@ $(STAMP): pyproject.toml
 
 test: venv
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-isa: venv
+	$(ISA_ENV) $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 train: $(VENV)/.installed-train
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node 2 examples/train.py $(TRAIN_ARGS)

@@ -286,9 +286,16 @@ def local_loss(model: nn.Module, name: str, x: torch.Tensor, y: torch.Tensor) ->
 
 
 def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
-    """``adamw`` (with weight decay) or ``sgd`` (with momentum), fixed hyperparameters."""
+    """``adamw`` (with weight decay) or ``sgd`` (with momentum), fixed hyperparameters.
+
+    AdamW's ``eps`` is 1e-4, not torch's 1e-8: its first step moves each element by
+    ``lr * g / (|g| + eps)``, so a gradient near zero (a rarely used expert, a cancelling sum)
+    turns the last bit of a reduction into up to ``lr / eps`` of update. The replicated
+    reference sums a batch in another order than the ranks do, and CPUs round differently
+    (vector width, vendor): with 1e-8 a comparison could hold on one CPU and fail on another;
+    with 1e-4 a rounding of the gradient moves an update by at most 100 times as much."""
     if kind == "adamw":
-        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-4)
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)
     raise ValueError(f"unknown optimizer {kind!r}")

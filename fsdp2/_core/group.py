@@ -35,6 +35,20 @@ above (reduce.py, driven by the step layer).
 # (the group does not reshard after backward, so nothing is released). On the benchmark
 # Llama it frees the 16 MiB token embedding before the logits' backward
 # (docs/benchmarks.md).
+
+# [Note: stale unsharded]
+# A group may stay unsharded across an optimizer step: the root after a forward whose
+# backward never ran (an evaluation with grad on), after ``unshard()``, with
+# ``set_reshard_after_backward(False)``. Its unsharded copy then holds the values before the
+# step, and a forward that used it would train on stale weights, silently. So the group
+# remembers a sum of version counters when it issues its all-gather (``_sharded_version``:
+# the flat buffer's, which ops on ``to_local()`` bump, and each sharded DTensor's own, which
+# ops on the DTensor bump: DTensor runs its local ops below autograd, where the local
+# tensor's counter does not move), and a forward that starts while it is unsharded with a
+# different sum reshards it first, so the forward gathers the new values (``stale``). The
+# same values cost nothing: ``unshard()`` as a prefetch before the next forward, no-sync
+# micro-steps with ``set_reshard_after_backward(False)``. Not seen: writes that bypass
+# version counters (``p.data.copy_()``).
 """
 
 from __future__ import annotations
@@ -98,6 +112,7 @@ class ParamGroup(GroupLayout):
         self.sharded_state = Sharded.SHARDED
         self._pending_ag: Pending | Received | None = None
         self._pending_ag_small = False
+        self._gathered_at = 0  # _sharded_version() when the last all-gather was issued
         self.small: SmallShard | None = None  # reshard_after_forward=int, see update()
         self._restore_hooks: list[Any] = []  # see release_unread
         super().__init__(params, info, mp_policy, offload_policy, name)
@@ -179,6 +194,24 @@ class ParamGroup(GroupLayout):
         """This group's all-gather (alone, or its slice of a bucket's) is in flight."""
         self._pending_ag = pending
         self._pending_ag_small = False
+        self._gathered_at = self._sharded_version()
+
+    def _sharded_version(self) -> int:
+        """A sum of version counters that grows with every in-place write to a sharded
+        parameter (an optimizer step, ``copy_``, ``load_state_dict``): the DTensors' own
+        (an op on a DTensor bumps the wrapper's counter, not its local tensor's) and the
+        local storage's (ops on ``to_local()``, e.g. ``fsdp2.optim``)."""
+        v: int = self.sharded_flat._version + sum(t._version for t in self.sharded_params)
+        for p in self.ext_params:
+            v += p.sharded._local_tensor._version
+        return v
+
+    def stale(self) -> bool:
+        """Whether the group is unsharded with values older than its sharded parameters
+        (an optimizer step since its all-gather: [Note: stale unsharded])."""
+        return (
+            self.sharded_state is Sharded.UNSHARDED and self._sharded_version() != self._gathered_at
+        )
 
     def needs_gather(self) -> bool:
         """Neither unsharded nor being gathered."""

@@ -19,6 +19,7 @@ from fsdp2._core.mesh import MeshInfo, shard_mesh
 from fsdp2._core.param import FSDPParam
 from fsdp2._core.storage import free_storage as _free
 from fsdp2._core.transport import copy_out
+from fsdp2._core.unsharded import track
 from fsdp2.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["GroupLayout", "group_dtype", "holders"]
@@ -72,6 +73,9 @@ class GroupLayout:
         self.device = info.device
         self.world = info.shard_size
         self.set_dtypes(group_dtype(params, name))
+        # parameters frozen (requires_grad_(False)) since the group's last reduction: they
+        # may hold gradients accumulated without sync, reduced with the next ones
+        self.draining: list[FSDPParam] = []
         self._init_storage()
 
     def set_dtypes(self, orig_dtype: torch.dtype) -> None:
@@ -152,8 +156,17 @@ class GroupLayout:
             if p.unsharded is not None
             for m, n in p.owners
         ]
-        self.grad_params = [p for p in self.params if p.requires_grad]
+        self.sharded_params = [p.sharded for p in self.params]
+        track(self)  # see [Note: optimizers holding unsharded parameters]
+        # trainable, and frozen since the last reduction (see relayout.sync_requires_grad)
+        self.grad_params = [p for p in self.params if p.requires_grad or p in self.draining]
         self.has_scalars = any(p.is_scalar for p in self.grad_params)  # see reduce.py
+
+    def drained(self) -> None:
+        """The gradients of the parameters frozen since the last reduction were taken."""
+        if self.draining:
+            self.draining = []
+            self.refresh_registrations()
 
     def shard_mesh(self) -> DeviceMesh:
         """The mesh the shard dim spans (what extension hooks receive)."""

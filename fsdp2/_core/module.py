@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import torch
 import torch.nn as nn
 
 from fsdp2._core import relayout
-from fsdp2._core.group import ParamGroup
+from fsdp2._core.group import ParamGroup, Sharded
 from fsdp2._core.mesh import separate_shard_group
 from fsdp2._core.state import FSDPState, state_of
 from fsdp2._core.transport import BackendAlloc
@@ -348,6 +348,34 @@ class FSDPModule:
         if state.ctx is None:
             return
         state.ctx.reset()
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """``nn.Module.named_parameters``, except that outside forward and backward it gives
+        the sharded parameters also while a group is unsharded (the root's between a
+        training forward and its backward, after ``unshard()``, with
+        ``set_reshard_after_backward(False)``, after a create_graph backward): an optimizer
+        built, gradients clipped or zeroed, parameters frozen then see the parameters they
+        must. The unsharded ones are the module attributes meanwhile (``module.weight``).
+        See [Note: optimizers holding unsharded parameters] in unsharded.py."""
+        items = super().named_parameters(prefix, recurse, remove_duplicate)  # type: ignore[misc]
+        state = state_of(self)  # type: ignore[arg-type]
+        if state is None:
+            return items  # type: ignore[no-any-return]
+        if state.ctx is not None:
+            sharded = state.ctx.sharded_for()
+        else:  # before the first forward: only unshard() unshards
+            sharded = {
+                id(p.unsharded): p.sharded
+                for g in self._groups(recurse=True)
+                if g.sharded_state is Sharded.UNSHARDED
+                for p in g.params
+                if p.unsharded is not None
+            }
+        if not sharded:
+            return items  # type: ignore[no-any-return]
+        return ((n, sharded.get(id(t), t)) for n, t in items)
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # Convert the sharded parameters, never the transient unsharded ones,

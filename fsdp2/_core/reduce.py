@@ -152,7 +152,7 @@ def _take_grads(group: ParamGroup, state: GradState) -> tuple[list[FSDPParam], l
             if prev is not None:
                 g = prev if g is None else prev.add_(g)
         if g is None:
-            if not group.reduce.reduce_unused:
+            if not group.reduce.reduce_unused or not p.requires_grad:
                 continue
             g = torch.zeros(p.shape, dtype=group.param_dtype, device=group.device)
         elif u is not None:

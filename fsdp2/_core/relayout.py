@@ -60,6 +60,55 @@ def adopt_registered(group: ParamGroup) -> None:
         resync_after_apply(group)
 
 
+def sync_requires_grad(group: ParamGroup) -> None:
+    """Follow ``requires_grad_`` calls made since the last step ([Note: freezing]).
+
+    Runs when a step's forward begins (for every group, before any collective) and when a
+    module sharded under a root runs outside the root's forward. Cheap when nothing
+    changed: one flag read per parameter.
+
+    [Note: freezing]
+    ``module.requires_grad_(False)`` after ``fully_shard`` flips the flag of whatever its
+    ``parameters()`` give: the sharded DTensors (between steps), or, where only the
+    registered tensors are reachable (a plain submodule while its group is unsharded), the
+    unsharded ones. The unsharded parameter is what forward uses, so autograd saw the old
+    flag and the frozen weights kept training (0.09 from the replica after 5 steps). Here
+    either face's new flag is copied to the other and to ``FSDPParam.requires_grad``, and
+    the group's trainable list is rebuilt. A parameter frozen between no-sync micro-steps
+    may hold an unreduced gradient, as the replica keeps its ``.grad``: it stays among the
+    group's gradient parameters (``draining``) until the next synced reduction took it. A
+    frozen parameter of another dtype than its group's trainable ones cannot be unfrozen
+    (gradients are reduced in one dtype): ``ValueError``, before any collective.
+    """
+    changed = False
+    for p in group.params:
+        new = p.sharded.requires_grad
+        if new is p.requires_grad:
+            u = p.unsharded
+            if u is None or u.requires_grad is new:
+                continue
+            new = u.requires_grad  # flipped on the unsharded parameter (registered now)
+        if new and p.sharded.dtype != group.orig_dtype:
+            raise ValueError(
+                f"parameter {p.fqn} ({p.sharded.dtype}) was made trainable after "
+                f"fully_shard({group.name}), whose trainable parameters are "
+                f"{group.orig_dtype}: their gradients are reduced together in one dtype. "
+                "Cast it to that dtype, or shard its module in a fully_shard call of its own"
+            )
+        p.requires_grad = new
+        if not new:
+            group.draining.append(p)  # may hold gradients not reduced yet (no sync)
+        elif p in group.draining:
+            group.draining.remove(p)
+        if p.sharded.requires_grad is not new:
+            p.sharded.requires_grad_(new)
+        if p.unsharded is not None and p.unsharded.requires_grad is not new:
+            p.unsharded.requires_grad_(new)
+        changed = True
+    if changed:
+        group.refresh_registrations()
+
+
 def _as_sharded(p: FSDPParam, cur: torch.Tensor) -> DTensor:
     """``cur``, registered where ``p``'s sharded parameter was, checked to serve as
     ``p``'s new sharded parameter."""

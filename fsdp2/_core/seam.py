@@ -23,8 +23,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp2._core.mesh import comm_device_type
+from fsdp2._core.slot import Slot
 from fsdp2._core.state import FSDPState, state_of
-from fsdp2._core.step import Slot
 from fsdp2.api import MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [

@@ -26,6 +26,7 @@ from fsdp2._core.module import (
 from fsdp2._core.param import FSDPParam
 from fsdp2._core.state import FSDPState, state_of
 from fsdp2._core.state_dict import register_state_dict_hooks
+from fsdp2._core.unsharded import install_optimizer_check
 from fsdp2.api import (
     DataParallelMeshDims,
     MixedPrecisionPolicy,
@@ -201,6 +202,7 @@ def fully_shard(
         groups.append(group)
     _move_buffers(modules, info.device)
     FSDPState(modules, groups, mp_policy, info.device, auto_reshard=reshard_after_forward is None)
+    install_optimizer_check()  # see [Note: optimizers holding unsharded parameters]
     for m in modules:
         m.__class__ = _fsdp_class(type(m))
     return module

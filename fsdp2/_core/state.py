@@ -17,7 +17,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from fsdp2._core import relayout
 from fsdp2._core.group import ParamGroup
 from fsdp2._core.labels import hook
-from fsdp2._core.step import Slot, StepContext, StepPhase, TrainingState
+from fsdp2._core.slot import Slot, TrainingState
+from fsdp2._core.step import StepContext, StepPhase
 from fsdp2._core.tree_checks import check_materialized, validate_tree
 from fsdp2.api import MixedPrecisionPolicy
 
@@ -159,6 +160,11 @@ class FSDPState:
                 self.post_optim_event = None
             if self.device.type != "cpu":
                 args, kwargs = tree_map(self._to_device, (args, kwargs))
+        elif ctx.phase is StepPhase.IDLE:  # called outside its root's forward
+            for g in self.groups:
+                relayout.sync_requires_grad(g)
+                if g.stale():
+                    g.reshard()
         if self.groups:
             if recompute:  # activation-checkpoint recompute
                 for g in self.groups:

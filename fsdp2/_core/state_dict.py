@@ -1,15 +1,15 @@
 """State-dict hooks: sharded models load full (unsharded) tensors too.
 
-``model.state_dict()`` returns the registered parameters, the sharded DTensors,
-under their original names (detached). A post-hook only re-wraps each value so
-that its wrapper has storage offset 0 (see ``param._wrap``: torch 2.13 cannot
-pickle a DTensor whose local tensor is a view at an offset, which ours are;
-``detach()`` builds a new wrapper). Loading, however, copies each
-value into its DTensor parameter, and a plain full tensor (a checkpoint of the
-unsharded model, e.g. a Hugging Face state dict loaded on CPU) cannot be
-copied into a DTensor. A load pre-hook on each module that owns managed
-parameters replaces such a value by this rank's shard of it: every rank holds
-the full tensor, so no communication is needed.
+``model.state_dict()`` returns the sharded parameters, DTensors, under their original
+names (detached), whether the group is sharded or unsharded at the time; loading
+reshards the group first, so values always land in the sharded parameters. A post-hook
+also re-wraps each value so that its wrapper has storage offset 0 (see ``param._wrap``:
+torch 2.13 cannot pickle a DTensor whose local tensor is a view at an offset, which ours
+are; ``detach()`` builds a new wrapper). Loading copies each value into its DTensor
+parameter, and a plain full tensor (a checkpoint of the unsharded model, e.g. a Hugging
+Face state dict loaded on CPU) cannot be copied into a DTensor. A load pre-hook on each
+module that owns managed parameters replaces such a value by this rank's shard of it:
+every rank holds the full tensor, so no communication is needed.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fsdp2._core import relayout
-from fsdp2._core.group import ParamGroup
+from fsdp2._core.group import ParamGroup, Sharded
 from fsdp2._core.param import _wrap
 
 
@@ -35,20 +35,27 @@ def register_state_dict_hooks(group: ParamGroup) -> None:
     for m, entries in by_module.values():
         m.register_load_state_dict_pre_hook(_ShardFullTensors(group, entries))
         m.register_load_state_dict_post_hook(_AdoptAssigned(group))
-        m.register_state_dict_post_hook(_Picklable([name for name, _ in entries]))
+        m.register_state_dict_post_hook(_Picklable(group, entries))
 
 
 class _Picklable:
-    """State-dict post-hook: DTensor values get a zero-offset wrapper (same local tensor)."""
+    """State-dict post-hook: the sharded parameters' values, also while the group is
+    unsharded (after a forward whose backward has not run, ``unshard()``, ...), and DTensor
+    values get a zero-offset wrapper (same local tensor)."""
 
-    def __init__(self, names: list[str]) -> None:
-        self.names = names
+    def __init__(self, group: ParamGroup, entries: list[tuple[str, Any]]) -> None:
+        self.group = group
+        self.entries = entries
 
     def __call__(
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
     ) -> None:
-        for name in self.names:
+        g = self.group
+        unsharded = g.sharded_state is Sharded.UNSHARDED
+        for name, p in self.entries:
             value = state_dict.get(prefix + name)
+            if unsharded and value is not None:
+                value = state_dict[prefix + name] = p.sharded.detach()
             if isinstance(value, DTensor) and value.storage_offset() != 0:
                 state_dict[prefix + name] = _wrap(
                     value._local_tensor, value._spec, value.requires_grad
@@ -75,6 +82,9 @@ class _ShardFullTensors:
     def __call__(
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
     ) -> None:
+        if self.group.sharded_state is not Sharded.SHARDED:
+            # load into the sharded parameters (the unsharded copy would be stale anyway)
+            self.group.reshard()
         for name, p in self.entries:
             key = prefix + name
             value = state_dict.get(key)

@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -75,10 +74,10 @@ from torch.autograd import Variable
 from fsdp2._core import relayout
 from fsdp2._core.collectives import all_gather
 from fsdp2._core.group import ParamGroup, Sharded
+from fsdp2._core.higher_order import GraphHold, check_no_graph_grads
 from fsdp2._core.labels import label
 from fsdp2._core.observe import HUB
 from fsdp2._core.reduce import (
-    GradState,
     Part,
     Reduction,
     accumulate_in_reduce_dtype,
@@ -87,6 +86,7 @@ from fsdp2._core.reduce import (
     reduce,
     take_grads,
 )
+from fsdp2._core.slot import LEGAL_MOVES, Slot, TrainingState
 
 if TYPE_CHECKING:
     from fsdp2._core.param import FSDPParam
@@ -100,75 +100,6 @@ class StepPhase(enum.Enum):
     IDLE = "idle"  # between steps, or after a forward whose backward has not begun
     FORWARD = "forward"  # inside the root's forward
     BACKWARD = "backward"  # from the first pre-backward hook to the final callback
-
-
-class TrainingState(enum.Enum):
-    """Where one ``fully_shard`` state is in the step."""
-
-    IDLE = "idle"
-    FORWARD = "forward"  # between its pre- and post-forward
-    PRE_BACKWARD = "pre-backward"  # its gradients are being computed (gathered for it)
-    POST_BACKWARD = "post-backward"  # its gradients were handed to reduction this step
-
-
-_T = TrainingState
-LEGAL_MOVES: dict[TrainingState, frozenset[TrainingState]] = {
-    _T.IDLE: frozenset({_T.FORWARD, _T.PRE_BACKWARD, _T.POST_BACKWARD}),
-    # a call whose backward starts before the root's forward ends: fully_shard([a, b])
-    # with only ``a`` run, or outputs used inside the forward
-    _T.FORWARD: frozenset({_T.IDLE, _T.FORWARD, _T.PRE_BACKWARD, _T.POST_BACKWARD}),
-    # a module used several times: gathered again after an earlier call's reduction
-    _T.PRE_BACKWARD: frozenset({_T.PRE_BACKWARD, _T.POST_BACKWARD, _T.IDLE}),
-    _T.POST_BACKWARD: frozenset({_T.PRE_BACKWARD, _T.POST_BACKWARD, _T.IDLE}),
-}
-
-
-class Slot:
-    """One ``fully_shard`` call's place in its root's step: all the step layer reads or
-    writes of it. The state layer (``FSDPState``) owns one and moves it through the step
-    with ``StepContext``'s methods."""
-
-    __slots__ = (
-        "groups",
-        "name",
-        "training_state",
-        "fwd_next",
-        "bwd_next",
-        "post_backward_pending",
-        "untracked_calls",
-        "on_backward_end",
-        "grads",
-    )
-
-    def __init__(self, groups: list[ParamGroup], name: str) -> None:
-        # one group per process group of its fully_shard call (several with per-parameter
-        # meshes, see [Note: several groups]); none for a call that manages no parameter
-        self.groups = groups
-        self.name = name  # for messages
-        self.training_state = TrainingState.IDLE
-        # implicit prefetch: the slot that ran next in the last forward / comes next in
-        # backward (from the last post-forward order)
-        self.fwd_next: list[Slot] = []
-        self.bwd_next: list[Slot] = []
-        self.post_backward_pending = 0  # registered post-backward nodes still to fire
-        self.untracked_calls = 0  # forward calls whose inputs needed no grad (no node)
-        self.on_backward_end: list[Callable[[], None]] = []  # see seam.on_backward_end
-        self.grads = [GradState() for _ in groups]  # one per group
-
-    def to(self, new: TrainingState, event: str) -> None:
-        old = self.training_state
-        if new not in LEGAL_MOVES[old]:
-            raise RuntimeError(
-                f"fsdp2: {event} of fully_shard({self.name}) while it is in {old.value}; "
-                "this order of hooks is not supported (please report it, with how the "
-                "model is called)"
-            )
-        self.training_state = new
-
-    def end_step(self) -> None:
-        self.training_state = TrainingState.IDLE
-        self.post_backward_pending = 0
-        self.untracked_calls = 0
 
 
 class StepContext:
@@ -187,6 +118,10 @@ class StepContext:
         # key share a process group and settings): the parts and their packed bytes so far
         self.parts: dict[tuple[Any, ...], tuple[list[Part], int]] = {}
         self.deferred: list[Any] = []  # hook handles of the root's deferred prefetch
+        # the backward running has grad mode on (create_graph=True); groups held for the
+        # backward of the graph it builds: see [Note: double backward] in higher_order.py
+        self.create_graph = False
+        self.hold = GraphHold()
 
     # ---- all-gathers -----------------------------------------------------------
 
@@ -323,11 +258,17 @@ class StepContext:
         """The root's forward starts. From FORWARD too: a forward that raised (or a
         root forward nested in a registered method) just starts over."""
         self.phase = StepPhase.FORWARD
+        if self.hold.active:  # the gradient's graph was dropped unused
+            self.hold.end()
         if HUB.observers:
             HUB.step_phase("forward", new_step=True)
         self.fwd_order = []
         self.post_fwd_order = []
         for g in self.groups:
+            relayout.sync_requires_grad(g)  # before any collective: it may raise
+        for g in self.groups:
+            if g.stale():  # see [Note: stale unsharded]
+                g.reshard()
             if g.sharded_state is Sharded.SMALL:  # its backward never came: may be stale
                 g.reshard()
             if g.sharded_state is Sharded.SHARDED and relayout.hooks_patched(g):
@@ -362,8 +303,10 @@ class StepContext:
         order = self.post_fwd_order
         for i, st in enumerate(order):  # later occurrences win: backward runs them first
             st.bwd_next = [order[i - 1]] if i > 0 else []
-        for g in self.groups:
-            g.release_unread()
+        self.create_graph = torch.is_grad_enabled()
+        if not (self.create_graph or self.hold.active):
+            for g in self.groups:
+                g.release_unread()
         Variable._execution_engine.queue_callback(self.finish_backward)
 
     def check_recompute(self, name: str) -> None:
@@ -389,10 +332,28 @@ class StepContext:
                 g.reshard()
                 g.drop_unsharded_grads()  # unreduced gradients: unsharded, no-sync sums,
                 grads.clear()  # HSDP partial sums
+                g.drained()
             st.end_step()
         self.phase = StepPhase.IDLE
+        self.create_graph = False
+        self.hold.end()
         self.fwd_order = []
         self.post_fwd_order = []
+
+    def sharded_for(self) -> dict[int, torch.Tensor]:
+        """``id(unsharded parameter) -> sharded parameter`` for the groups unsharded now,
+        outside forward and backward: what ``FSDPModule.named_parameters`` yields instead
+        of the registered parameters; see [Note: optimizers holding unsharded parameters]
+        in unsharded.py."""
+        if self.phase is not StepPhase.IDLE:
+            return {}
+        return {
+            id(p.unsharded): p.sharded
+            for g in self.groups
+            if g.sharded_state is Sharded.UNSHARDED
+            for p in g.params
+            if p.unsharded is not None
+        }
 
     def finish_backward(self) -> None:
         """The root's final callback: see [Note: one step]."""
@@ -403,6 +364,13 @@ class StepContext:
         if HUB.observers:
             HUB.step_phase("final callback of the backward")
         self.cancel_deferred_prefetch()
+        if self.create_graph:  # reduce and reshard nothing: see [Note: double backward]
+            check_no_graph_grads(self.groups)
+            for st in self.with_group:
+                st.end_step()
+            self.phase = StepPhase.IDLE
+            self.hold.begin(self.groups, self._held_grad)
+            return
         for st in self.with_group:
             late: list[int] = []
             for i, g in enumerate(st.groups):
@@ -410,29 +378,43 @@ class StepContext:
                     late.append(i)
             if late:
                 with label("hook post_backward", st.groups[late[0]].path):
-                    self.post_backward(st, None if len(late) == len(st.groups) else late)
+                    only = None if len(late) == len(st.groups) else late
+                    self.post_backward(st, only, final=True)
         self.flush_parts()
         self.drain_reductions()
         if self.pending_d2h:  # offloaded grads copied asynchronously into pinned memory
             torch.accelerator.synchronize()
             self.pending_d2h = False
         for g in self.groups:
+            if g.reduce.sync:
+                g.drained()  # frozen parameters' last gradients were reduced, if any
             if g.gather.reshard_after_backward:
                 g.reshard()
         for st in self.with_group:
             st.end_step()
         self.phase = StepPhase.IDLE
+        self.hold.end()
         if HUB.observers:
             HUB.step_phase("time between steps")
         for st in self.slots:
             for callback in st.on_backward_end:
                 callback()
 
-    def post_backward(self, st: Slot, only: list[int] | None = None) -> None:
+    def _held_grad(self) -> None:
+        """A gradient landed on a held group's parameter: a backward of the graph a
+        create_graph backward built has begun (maybe reaching no other fsdp2 hook)."""
+        if self.phase is not StepPhase.BACKWARD:
+            self.begin_backward()
+
+    def post_backward(self, st: Slot, only: list[int] | None = None, final: bool = False) -> None:
         """``st``'s backward is done: hand its groups' gradients (those of the groups
         ``only`` indexes, if given) to reduction (alone or in a bucket) or, without
-        gradient sync, add them to their no-sync sums; then reshard."""
+        gradient sync, add them to their no-sync sums; then reshard. While a graph built
+        by a create_graph backward may still add gradients, only the final callback does
+        (``final``): see [Note: double backward]."""
         st.to(TrainingState.POST_BACKWARD, "post-backward")
+        if not final and (self.create_graph or self.hold.active):
+            return
         pairs = (
             zip(st.groups, st.grads, strict=True)
             if only is None
@@ -446,6 +428,7 @@ class StepContext:
             part = None
             if g.reduce.sync:
                 part = take_grads(g, grads)
+                g.drained()
             elif g.reduce_dtype is not None:
                 accumulate_in_reduce_dtype(g, grads)
             g.after_backward()

@@ -28,14 +28,15 @@ PACKAGE = pathlib.Path(fsdp2.__file__).parent
 LAYERS = [
     ["sharding", "module", "seam", "state_dict"],
     ["state", "tree_checks"],
-    ["step", "relayout"],
+    ["step", "relayout", "higher_order"],
+    ["slot"],
     ["reduce"],
     ["group"],
     ["layout", "small_shard"],
     ["param", "extension"],
     ["collectives"],
     ["gloo", "transport"],
-    ["mesh", "settings", "storage", "labels", "debug"],
+    ["mesh", "settings", "storage", "labels", "debug", "unsharded"],
     ["observe", "compat"],
 ]
 BELOW_GROUP = {m for layer in LAYERS[LAYERS.index(["group"]) + 1 :] for m in layer}

@@ -601,11 +601,14 @@ def _full_checkpoint(engine: str, path: str) -> None:
     got = full_params(fresh)
     for name, full in want.items():
         assert torch.equal(got[name], full), f"EP + FSDP load: {name}"
-    # The loaded model trains on like the reference (a fresh AdamW on both sides).
+    # The loaded model trains on like the reference, with a fresh SGD on both sides: a fresh
+    # AdamW's first step divides each gradient by its own magnitude, so an expert weight
+    # whose gradient is near zero (few tokens) turned the reference's other summation order
+    # into a visible update difference on some CPUs (AVX2: 5.9e-5 against atol 1e-5).
     _continue(
         ref,
-        make_optimizer("adamw", ref.parameters()),
-        {"loaded": (fresh, make_optimizer("adamw", fresh.parameters()))},
+        make_optimizer("sgd", ref.parameters()),
+        {"loaded": (fresh, make_optimizer("sgd", fresh.parameters()))},
         range(1, 3),
     )
 

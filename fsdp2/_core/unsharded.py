@@ -1,0 +1,90 @@
+"""The unsharded parameters an optimizer must never hold, and the check at every optimizer
+step that none does.
+
+# [Note: optimizers holding unsharded parameters]
+# Outside forward and backward a module's registered parameters are its sharded DTensors,
+# the ones an optimizer must update. While a group is unsharded (a training forward keeps the
+# root's for its backward; ``unshard()``; ``set_reshard_after_backward(False)``) the modules
+# hold the unsharded parameters instead: temporary copies the next all-gather overwrites,
+# whose gradients are reduced away. ``FSDPModule.named_parameters`` gives the sharded ones in
+# the common case (an optimizer built from ``model.parameters()`` after a forward whose
+# backward has not run), but a plain submodule's ``parameters()`` or an explicit
+# ``unshard()`` still hands out the unsharded ones. An optimizer built from them would train
+# nothing, silently. So every unsharded parameter is tracked here (by identity, weakly) and a
+# global optimizer step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``,
+# installed by the first ``fully_shard``) raises before a step that would update one, naming
+# the parameter and the fix. The cost is one dictionary lookup per parameter per step.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+__all__ = ["install_optimizer_check", "track"]
+
+# Every group's parameters, tracked weakly (a weak reference to an unsharded parameter itself
+# would stop ``torch.utils.swap_tensors``, which relayouts use): the check looks parameters
+# up by identity in a map rebuilt whenever a group's parameter objects changed.
+_GROUPS: weakref.WeakSet[Any] = weakref.WeakSet()
+_epoch = 0
+_map: tuple[int, dict[int, tuple[weakref.ref[Any], int]]] = (-1, {})
+_installed = False
+
+
+def track(group: Any) -> None:
+    """(Re)track ``group``'s unsharded parameters (``group.params[i].unsharded``): call
+    whenever its parameter objects change. ``group`` is a ``ParamGroup``."""
+    global _epoch
+    _GROUPS.add(group)
+    _epoch += 1
+
+
+def _unsharded_map() -> dict[int, tuple[weakref.ref[Any], int]]:
+    """``id(unsharded parameter) -> (its group, its index in group.params)``."""
+    global _map
+    if _map[0] != _epoch:
+        found: dict[int, tuple[weakref.ref[Any], int]] = {}
+        for g in list(_GROUPS):
+            ref = weakref.ref(g)
+            for i, p in enumerate(g.params):
+                if p.unsharded is not None:
+                    found[id(p.unsharded)] = (ref, i)
+        _map = (_epoch, found)
+    return _map[1]
+
+
+def install_optimizer_check() -> None:
+    """Register the optimizer step pre-hook once per process."""
+    global _installed
+    if not _installed:
+        register_optimizer_step_pre_hook(_check_optimizer)
+        _installed = True
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not _GROUPS:
+        return
+    found = _unsharded_map()
+    for i, pg in enumerate(optimizer.param_groups):
+        for j, p in enumerate(pg["params"]):
+            entry = found.get(id(p))
+            if entry is None:
+                continue
+            group = entry[0]()
+            if group is None or group.params[entry[1]].unsharded is not p:
+                continue  # an id that outlived its parameter
+            raise RuntimeError(
+                f"fsdp2: {type(optimizer).__name__}.step() would update the unsharded "
+                f"parameter {group.params[entry[1]].fqn} (param_groups[{i}]['params'][{j}]) "
+                f"of fully_shard({group.name}), a temporary copy that the next all-gather "
+                "overwrites: the optimizer was built while that module's parameters were "
+                "unsharded (after a forward whose backward had not run, or unshard()), "
+                "from a module whose parameters() gives the registered tensors. Build the "
+                "optimizer from the sharded parameters: before the first forward, after a "
+                "backward or model.reshard(), or from the fully_shard module's "
+                "parameters(). See docs/reliability.md (call orders)"
+            )

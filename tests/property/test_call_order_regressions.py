@@ -1,0 +1,63 @@
+"""Call orders the state-machine suite (test_call_orders.py) found wrong, replayed as named
+regression tests: each is the shortest sequence of ``_orders.CallOrders`` rules that showed
+the bug (the first rule builds the model), run with the invariant checked after every rule.
+What each one was is in its comment and in docs/property_tests.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from _harness import run_on_ranks
+from _orders import replay
+
+Rules = list[tuple[str, dict[str, Any]]]
+
+
+def _build(policy: str = "off", reshard: tuple[bool, bool, bool] = (True, True, True), **kw: Any):
+    return ("build", {"policy": policy, "reshard": reshard, "nested": False, "bucket": None} | kw)
+
+
+FOUND: dict[str, tuple[int, Rules]] = {
+    # unshard() of the root, an optimizer step, then a forward: the forward used the
+    # all-gathered values from before the step (the group stayed unsharded). The step
+    # bumps only the DTensors' version counters, not their local tensors'.
+    "step_after_unshard": (
+        2,
+        [
+            _build("fp64"),
+            ("build_optimizer", {"kind": "wd", "source": "model"}),
+            ("train", {}),
+            ("unshard_reshard", {"where": "", "op": "unshard"}),
+            ("optimizer_step", {}),
+            ("train", {}),
+        ],
+    ),
+    # state_dict() / load_state_dict() after a forward whose backward had not run: the
+    # root's values were its unsharded tensors, and loading copied full DTensors into them.
+    "state_dict_after_forward": (
+        2,
+        [
+            _build("reduce64", (True, False, False), nested=True, bucket=1 << 20),
+            ("forward", {"mode": "grad"}),
+            ("state_dict_round_trip", {"via": "memory"}),
+        ],
+    ),
+    # unshard() before the first forward (no step context yet): parameters() gave the root's
+    # unsharded tensors.
+    "unshard_before_first_forward": (
+        2,
+        [
+            _build("off", (True, False, False)),
+            ("set_reshard_after_forward", {"where": "layers.1", "value": False}),
+            ("unshard_reshard", {"where": "", "op": "unshard"}),
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FOUND))
+def test_found_call_order(name: str) -> None:
+    world_size, rules = FOUND[name]
+    run_on_ranks(world_size, replay, rules)
