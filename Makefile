@@ -41,7 +41,10 @@ OUT ?= runs/gpu-check
 # (ISA=default): kernels then sum in other orders, so a comparison that holds only on this
 # CPU's rounding fails here first (docs/testing.md).
 ISA ?= avx2
-ISA_ENV = ATEN_CPU_CAPABILITY=$(ISA) \
+# Inductor's cache keys miss the capped instruction set: a kernel cached by a capped run and
+# loaded by a normal one crashed test_compile (SIGSEGV), so capped runs cache elsewhere.
+ISA_ENV = TORCHINDUCTOR_CACHE_DIR=$(or $(TMPDIR),/tmp)/fsdp2-inductor-isa-$(ISA) \
+	ATEN_CPU_CAPABILITY=$(ISA) \
 	ONEDNN_MAX_CPU_ISA=$(if $(filter default,$(ISA)),SSE41,AVX2) \
 	MKL_ENABLE_INSTRUCTIONS=$(if $(filter default,$(ISA)),SSE4_2,AVX2)
 

@@ -113,6 +113,10 @@ class ParamGroup(GroupLayout):
         self._pending_ag: Pending | Received | None = None
         self._pending_ag_small = False
         self._gathered_at = 0  # _sharded_version() when the last all-gather was issued
+        # unshard() of its module: parameters() gives the unsharded ones, as registered, until
+        # the group reshards or a forward uses it (see [Note: optimizers holding unsharded
+        # parameters] in unsharded.py)
+        self.by_user = False
         self.small: SmallShard | None = None  # reshard_after_forward=int, see update()
         self._restore_hooks: list[Any] = []  # see release_unread
         super().__init__(params, info, mp_policy, offload_policy, name)
@@ -318,6 +322,7 @@ class ParamGroup(GroupLayout):
             return
         if self.sharded_state is not Sharded.UNSHARDED:
             return
+        self.by_user = False
         if to_small and self.small is not None:
             self.small.keep(self.unsharded_segments(), as_bytes=bool(self.ext_params))
             self.sharded_state = Sharded.SMALL

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from fsdp2._core import relayout
-from fsdp2._core.group import ParamGroup, Sharded
+from fsdp2._core.group import ParamGroup
 from fsdp2._core.mesh import separate_shard_group
 from fsdp2._core.state import FSDPState, state_of
 from fsdp2._core.transport import BackendAlloc
@@ -89,7 +89,10 @@ class FSDPModule:
         Follows the mixed-precision policy (gathers in ``param_dtype``)."""
         state = self._fsdp_state()
         for g in state.groups:
+            if g.stale():  # values loaded or stepped since it was gathered
+                g.reshard()
             g.unshard()
+            g.by_user = True  # parameters() gives the registered (unsharded) ones, as torch's
         handle = UnshardHandle(state)
         if async_op:
             return handle
@@ -353,29 +356,38 @@ class FSDPModule:
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
         """``nn.Module.named_parameters``, except that outside forward and backward it gives
-        the sharded parameters also while a group is unsharded (the root's between a
-        training forward and its backward, after ``unshard()``, with
-        ``set_reshard_after_backward(False)``, after a create_graph backward): an optimizer
-        built, gradients clipped or zeroed, parameters frozen then see the parameters they
-        must. The unsharded ones are the module attributes meanwhile (``module.weight``).
-        See [Note: optimizers holding unsharded parameters] in unsharded.py."""
+        the sharded parameters of the groups fsdp2 keeps unsharded (the root's between a
+        training forward and its backward, with ``set_reshard_after_backward(False)``, after
+        a create_graph backward): an optimizer built, gradients clipped or zeroed,
+        parameters frozen then see the parameters they must. The unsharded ones are the
+        module attributes meanwhile (``module.weight``). After ``unshard()`` it gives the
+        unsharded ones, as registered (as torch's FSDP2), until the group reshards or a
+        forward uses it. See [Note: optimizers holding unsharded parameters] in
+        unsharded.py."""
         items = super().named_parameters(prefix, recurse, remove_duplicate)  # type: ignore[misc]
         state = state_of(self)  # type: ignore[arg-type]
-        if state is None:
-            return items  # type: ignore[no-any-return]
-        if state.ctx is not None:
-            sharded = state.ctx.sharded_for()
-        else:  # before the first forward: only unshard() unshards
-            sharded = {
-                id(p.unsharded): p.sharded
-                for g in self._groups(recurse=True)
-                if g.sharded_state is Sharded.UNSHARDED
-                for p in g.params
-                if p.unsharded is not None
-            }
+        # before the first forward (no step context) only unshard() unshards: nothing to map
+        sharded = state.ctx.sharded_for() if state is not None and state.ctx is not None else None
         if not sharded:
             return items  # type: ignore[no-any-return]
         return ((n, sharded.get(id(t), t)) for n, t in items)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, also for the sharded parameters of groups ``unshard()``
+        left unsharded (``parameters()`` gives their unsharded ones then)."""
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+        for g in self._groups(recurse=True):
+            if not g.by_user:
+                continue
+            for p in g.params:
+                grad = p.sharded.grad
+                if grad is None:
+                    continue
+                if set_to_none:
+                    p.sharded.grad = None
+                else:
+                    grad.detach_() if grad.grad_fn is not None else grad.requires_grad_(False)
+                    grad.zero_()
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # Convert the sharded parameters, never the transient unsharded ones,

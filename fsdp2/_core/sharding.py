@@ -25,7 +25,7 @@ from fsdp2._core.module import (
 )
 from fsdp2._core.param import FSDPParam
 from fsdp2._core.state import FSDPState, state_of
-from fsdp2._core.state_dict import register_state_dict_hooks
+from fsdp2._core.state_dict import register_load_reshard, register_state_dict_hooks
 from fsdp2._core.unsharded import install_optimizer_check
 from fsdp2.api import (
     DataParallelMeshDims,
@@ -202,6 +202,7 @@ def fully_shard(
         groups.append(group)
     _move_buffers(modules, info.device)
     FSDPState(modules, groups, mp_policy, info.device, auto_reshard=reshard_after_forward is None)
+    register_load_reshard(modules, groups)
     install_optimizer_check()  # see [Note: optimizers holding unsharded parameters]
     for m in modules:
         m.__class__ = _fsdp_class(type(m))

@@ -163,6 +163,7 @@ class FSDPState:
         elif ctx.phase is StepPhase.IDLE:  # called outside its root's forward
             for g in self.groups:
                 relayout.sync_requires_grad(g)
+                g.by_user = False
                 if g.stale():
                     g.reshard()
         if self.groups:

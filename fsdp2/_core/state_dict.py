@@ -1,8 +1,10 @@
 """State-dict hooks: sharded models load full (unsharded) tensors too.
 
 ``model.state_dict()`` returns the sharded parameters, DTensors, under their original
-names (detached), whether the group is sharded or unsharded at the time; loading
-reshards the group first, so values always land in the sharded parameters. A post-hook
+names (detached), also while fsdp2 keeps the group unsharded (after ``unshard()``: the
+registered, unsharded ones, as ``parameters()`` gives); loading copies into the sharded
+parameters (registered for the load) and the ``fully_shard`` module reshards the group
+afterwards. A post-hook
 also re-wraps each value so that its wrapper has storage offset 0 (see ``param._wrap``:
 torch 2.13 cannot pickle a DTensor whose local tensor is a view at an offset, which ours
 are; ``detach()`` builds a new wrapper). Loading copies each value into its DTensor
@@ -38,10 +40,26 @@ def register_state_dict_hooks(group: ParamGroup) -> None:
         m.register_state_dict_post_hook(_Picklable(group, entries))
 
 
+def register_load_reshard(modules: list[nn.Module], groups: list[ParamGroup]) -> None:
+    """After a load into one of ``modules`` (a ``fully_shard`` call's), reshard its groups
+    left unsharded: the values loaded went into the sharded parameters, so the unsharded
+    copy is stale. A load into a submodule alone leaves that to the next forward or
+    ``unshard()`` (the version counters moved: [Note: stale unsharded] in group.py)."""
+
+    def reshard(module: nn.Module, incompatible_keys: Any) -> None:
+        for g in groups:
+            if g.sharded_state is not Sharded.SHARDED:
+                g.reshard()
+
+    for m in modules:
+        m.register_load_state_dict_post_hook(reshard)
+
+
 class _Picklable:
-    """State-dict post-hook: the sharded parameters' values, also while the group is
-    unsharded (after a forward whose backward has not run, ``unshard()``, ...), and DTensor
-    values get a zero-offset wrapper (same local tensor)."""
+    """State-dict post-hook: the sharded parameters' values, also while fsdp2 keeps the
+    group unsharded (after a forward whose backward has not run, ...; after ``unshard()``
+    the registered ones, as ``parameters()``), and DTensor values get a zero-offset wrapper
+    (same local tensor)."""
 
     def __init__(self, group: ParamGroup, entries: list[tuple[str, Any]]) -> None:
         self.group = group
@@ -51,7 +69,7 @@ class _Picklable:
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
     ) -> None:
         g = self.group
-        unsharded = g.sharded_state is Sharded.UNSHARDED
+        unsharded = g.sharded_state is Sharded.UNSHARDED and not g.by_user
         for name, p in self.entries:
             value = state_dict.get(prefix + name)
             if unsharded and value is not None:
@@ -82,9 +100,11 @@ class _ShardFullTensors:
     def __call__(
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
     ) -> None:
-        if self.group.sharded_state is not Sharded.SHARDED:
-            # load into the sharded parameters (the unsharded copy would be stale anyway)
-            self.group.reshard()
+        if self.group.sharded_state is Sharded.UNSHARDED:
+            # load into the sharded parameters; the fully_shard module's post-hook reshards
+            # once its whole subtree has read its values (which may view the unsharded ones)
+            self.group.register_sharded()
+            self.group.by_user = False
         for name, p in self.entries:
             key = prefix + name
             value = state_dict.get(key)

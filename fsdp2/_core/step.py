@@ -267,6 +267,7 @@ class StepContext:
         for g in self.groups:
             relayout.sync_requires_grad(g)  # before any collective: it may raise
         for g in self.groups:
+            g.by_user = False  # the step takes over groups unsharded by unshard()
             if g.stale():  # see [Note: stale unsharded]
                 g.reshard()
             if g.sharded_state is Sharded.SMALL:  # its backward never came: may be stale
@@ -341,16 +342,16 @@ class StepContext:
         self.post_fwd_order = []
 
     def sharded_for(self) -> dict[int, torch.Tensor]:
-        """``id(unsharded parameter) -> sharded parameter`` for the groups unsharded now,
-        outside forward and backward: what ``FSDPModule.named_parameters`` yields instead
-        of the registered parameters; see [Note: optimizers holding unsharded parameters]
-        in unsharded.py."""
+        """``id(unsharded parameter) -> sharded parameter`` for the groups fsdp2 keeps
+        unsharded now (not after ``unshard()``), outside forward and backward: what
+        ``FSDPModule.named_parameters`` yields instead of the registered parameters; see
+        [Note: optimizers holding unsharded parameters] in unsharded.py."""
         if self.phase is not StepPhase.IDLE:
             return {}
         return {
             id(p.unsharded): p.sharded
             for g in self.groups
-            if g.sharded_state is Sharded.UNSHARDED
+            if g.sharded_state is Sharded.UNSHARDED and not g.by_user
             for p in g.params
             if p.unsharded is not None
         }

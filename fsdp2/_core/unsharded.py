@@ -2,18 +2,25 @@
 step that none does.
 
 # [Note: optimizers holding unsharded parameters]
-# Outside forward and backward a module's registered parameters are its sharded DTensors,
-# the ones an optimizer must update. While a group is unsharded (a training forward keeps the
-# root's for its backward; ``unshard()``; ``set_reshard_after_backward(False)``) the modules
-# hold the unsharded parameters instead: temporary copies the next all-gather overwrites,
-# whose gradients are reduced away. ``FSDPModule.named_parameters`` gives the sharded ones in
-# the common case (an optimizer built from ``model.parameters()`` after a forward whose
-# backward has not run), but a plain submodule's ``parameters()`` or an explicit
-# ``unshard()`` still hands out the unsharded ones. An optimizer built from them would train
-# nothing, silently. So every unsharded parameter is tracked here (by identity, weakly) and a
-# global optimizer step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``,
-# installed by the first ``fully_shard``) raises before a step that would update one, naming
-# the parameter and the fix. The cost is one dictionary lookup per parameter per step.
+# Outside forward and backward a module's registered parameters are normally its sharded
+# DTensors, the ones an optimizer must update. While a group is unsharded (a training forward
+# keeps the root's for its backward; ``set_reshard_after_backward(False)``; a create_graph
+# backward's hold; ``unshard()``) the modules hold the unsharded parameters instead: copies
+# the next all-gather overwrites, whose gradients are reduced away. An optimizer built from
+# them trains nothing, silently (torch's FSDP2 does that after a sanity forward). So:
+#
+# * ``FSDPModule.named_parameters`` (so ``parameters()``, ``requires_grad_``, ``zero_grad``)
+#   gives the sharded parameters of the groups the engine keeps unsharded, outside forward and
+#   backward (``StepContext.sharded_for``). The module attributes still hold the unsharded
+#   ones (a chunked loss calls the head outside the forward), and so does ``parameters()``
+#   after a user's ``unshard()`` (``ParamGroup.by_user``: torch's behaviour, which scripts
+#   use to read the unsharded values) until the group reshards or a forward uses it;
+# * a plain submodule's ``parameters()`` (one fsdp2 did not wrap) and ``unshard()`` still
+#   hand out unsharded tensors. Every group's unsharded parameters are tracked here (the
+#   groups weakly) and a global optimizer step pre-hook
+#   (``torch.optim.optimizer.register_optimizer_step_pre_hook``, installed by the first
+#   ``fully_shard``) raises before a step that would update one, naming the parameter and
+#   the fix. The cost is one dictionary lookup per parameter per step.
 """
 
 from __future__ import annotations

@@ -380,7 +380,9 @@ class CallOrders(RuleBasedStateMachine):
             raise self._unexpected() from None
         (self.ref if via == "model" else self.ref_opt).zero_grad(set_to_none)  # type: ignore[union-attr]
 
-    @precondition(lambda self: not self.unsynced)
+    # not after unshard(): parameters() gives the unsharded tensors then (as torch's FSDP2),
+    # whose gradients the reductions took: clip before unshard() or after reshard()
+    @precondition(lambda self: not self.unsynced and not _user_unsharded(self.model))
     @rule(max_norm=st.sampled_from([0.05, 1.0, 100.0]))
     def clip(self, max_norm: float) -> None:
         self._note(f"clip_grad_norm_({max_norm})")
@@ -489,11 +491,27 @@ class CallOrders(RuleBasedStateMachine):
             del self.model
 
 
+def _user_unsharded(model: nn.Module) -> dict[int, DTensor]:
+    """``id(unsharded parameter) -> sharded parameter`` of the groups a user's ``unshard()``
+    left unsharded: ``parameters()`` gives their registered, unsharded tensors (as torch's
+    FSDP2) until they reshard or a forward uses them."""
+    out: dict[int, DTensor] = {}
+    for m in model.modules():
+        if isinstance(m, fsdp2.FSDPModule):
+            for g in m._fsdp_state().groups:  # type: ignore[operator]
+                if g.by_user:
+                    out.update((id(p.unsharded), p.sharded) for p in g.params)
+    return out
+
+
 def _sharded_named(model: nn.Module, errors: list[str]) -> dict[str, DTensor]:
-    """``model.named_parameters()``, which outside forward and backward must give sharded
-    DTensors only (anything else is an error)."""
+    """``model.named_parameters()`` as sharded DTensors: outside forward and backward that is
+    what it gives, but for the groups ``unshard()`` left unsharded (mapped back here);
+    anything else that is not a DTensor is an error."""
+    by_user = _user_unsharded(model)
     out: dict[str, DTensor] = {}
     for name, p in model.named_parameters():
+        p = by_user.get(id(p), p)
         if not isinstance(p, DTensor):
             errors.append(f"model.named_parameters() gave a {type(p).__name__} for {name}")
         else:

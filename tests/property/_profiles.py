@@ -28,11 +28,11 @@ EXAMPLES: dict[str, dict[int, int]] = {
     "long": {1: 1000, 2: 1500, 3: 1000, 4: 1000},
 }
 
-# The call-order suite (test_call_orders.py): state-machine runs per world size, and rules
+# The call-order suite (test_call_order_property.py): state-machine runs per world size, and rules
 # per run.
 ORDER_RUNS: dict[str, dict[int, int]] = {
     "ci": {1: 20, 2: 25, 3: 12, 4: 12},
-    "long": {1: 300, 2: 400, 3: 250, 4: 250},
+    "long": {1: 300, 2: 400, 3: 100, 4: 100},
 }
 ORDER_STEPS = {"ci": 25, "long": 50}
 

@@ -1,4 +1,4 @@
-"""Call orders the state-machine suite (test_call_orders.py) found wrong, replayed as named
+"""Call orders the state-machine suite (test_call_order_property.py) found wrong, replayed as named
 regression tests: each is the shortest sequence of ``_orders.CallOrders`` rules that showed
 the bug (the first rule builds the model), run with the invariant checked after every rule.
 What each one was is in its comment and in docs/property_tests.md.
@@ -44,14 +44,15 @@ FOUND: dict[str, tuple[int, Rules]] = {
             ("state_dict_round_trip", {"via": "memory"}),
         ],
     ),
-    # unshard() before the first forward (no step context yet): parameters() gave the root's
-    # unsharded tensors.
-    "unshard_before_first_forward": (
-        2,
+    # unshard() of a block, then load_state_dict(state_dict()): the state dict held the
+    # registered, unsharded tensors (as torch's), and loading resharded the group first,
+    # freeing the storage those values viewed ("setStorage ... storage of size 0").
+    "load_after_unshard": (
+        1,
         [
-            _build("off", (True, False, False)),
-            ("set_reshard_after_forward", {"where": "layers.1", "value": False}),
-            ("unshard_reshard", {"where": "", "op": "unshard"}),
+            _build("reduce64", (False, False, True), bucket=1 << 20),
+            ("unshard_reshard", {"where": "layers.0", "op": "unshard"}),
+            ("state_dict_round_trip", {"via": "memory"}),
         ],
     ),
 }
