@@ -162,10 +162,7 @@ class FSDPState:
                 args, kwargs = tree_map(self._to_device, (args, kwargs))
         elif ctx.phase is StepPhase.IDLE:  # called outside its root's forward
             for g in self.groups:
-                relayout.sync_requires_grad(g)
-                g.by_user = False
-                if g.stale():
-                    g.reshard()
+                relayout.before_forward(g)
         if self.groups:
             if recompute:  # activation-checkpoint recompute
                 for g in self.groups:

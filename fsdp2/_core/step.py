@@ -265,11 +265,7 @@ class StepContext:
         self.fwd_order = []
         self.post_fwd_order = []
         for g in self.groups:
-            relayout.sync_requires_grad(g)  # before any collective: it may raise
-        for g in self.groups:
-            g.by_user = False  # the step takes over groups unsharded by unshard()
-            if g.stale():  # see [Note: stale unsharded]
-                g.reshard()
+            relayout.before_forward(g)  # requires_grad_, unshard(), stale values; may raise
             if g.sharded_state is Sharded.SMALL:  # its backward never came: may be stale
                 g.reshard()
             if g.sharded_state is Sharded.SHARDED and relayout.hooks_patched(g):

@@ -90,6 +90,15 @@ def _compare(models: dict[str, nn.Module], ref: nn.Module, what: str) -> dict[st
     return fulls
 
 
+def _message(call: Any, exc: type[Exception] = RuntimeError) -> str:
+    """The message of the ``exc`` that ``call()`` raises (an ``AssertionError`` if none)."""
+    try:
+        call()
+    except exc as e:
+        return str(e)
+    raise AssertionError(f"no {exc.__name__}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Freezing and unfreezing mid-run
 
@@ -197,11 +206,7 @@ def _plain_submodule_optimizer() -> str:
     model(mine(x))
     opt = torch.optim.SGD(model.head.parameters(), lr=0.1)  # a plain submodule: registered
     _loss(model, mine(x), mine(y)).backward()
-    try:
-        opt.step()
-    except RuntimeError as e:
-        return str(e)
-    raise AssertionError("no error")
+    return _message(opt.step)
 
 
 def test_optimizer_of_unsharded_parameters_raises() -> None:
@@ -295,11 +300,7 @@ def _create_graph_into_params() -> str:
     torch.manual_seed(0)
     model = _shard(Net(), "fsdp2")
     x, y = _batch(0)
-    try:
-        _loss(model, mine(x), mine(y)).backward(create_graph=True)
-    except RuntimeError as e:
-        return str(e)
-    raise AssertionError("no error")
+    return _message(lambda: _loss(model, mine(x), mine(y)).backward(create_graph=True))
 
 
 def test_backward_create_graph_into_parameters_raises() -> None:
@@ -470,12 +471,9 @@ def _unfreeze_other_dtype() -> str:
     _loss(model, mine(x), mine(y)).backward()
     model.layers[0].scale.requires_grad_(True)
     with HUB.observing(Count()):
-        try:
-            model(mine(x))
-        except ValueError as e:
-            assert Count.n == 0, f"{Count.n} collectives before the error"
-            return str(e)
-    raise AssertionError("no error")
+        msg = _message(lambda: model(mine(x)), ValueError)
+    assert Count.n == 0, f"{Count.n} collectives before the error"
+    return msg
 
 
 def test_unfreezing_a_parameter_of_another_dtype_raises() -> None:
