@@ -60,6 +60,7 @@ from typing import Any, cast
 
 import torch
 import torch.nn as nn
+from torch._compile import _disable_dynamo
 
 from fsdp2._core.collectives import DividePlan, Into, all_gather, divide_plan
 from fsdp2._core.gloo import Received
@@ -429,7 +430,7 @@ def _restore_hook(group: ParamGroup, idx: list[int]) -> Callable[..., None]:
         group.restore_released(idx)
 
     # run eagerly (a collective and storage moves), as every engine hook
-    return cast(Callable[..., None], torch.compiler.disable(hook))
+    return cast(Callable[..., None], _disable_dynamo(hook))
 
 
 def _only_accumulator(t: torch.Tensor | None) -> bool:

@@ -8,6 +8,8 @@ or hook: the one place they touch the core's objects, so that the core can chang
 * ``comm_device_type()``: the device type the default process group communicates on.
 * ``compute_device(module)``: the device ``module``'s groups compute on (where
   ``to_empty`` materialises a meta-device model's shards).
+* ``install_exit_drain()``: let gloo's workers finish before interpreter exit, for a
+  layer that runs collectives of its own ([Note: clean exit]).
 * ``unit_settings(root)``: a read-only snapshot of what each ``fully_shard`` call under
   ``root`` runs with (reshard after forward, policies, prefetch lists), so that a layer (or
   its tests) can check what it configured without reading the core's objects.
@@ -22,6 +24,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fsdp2._core.clean_exit import install_exit_drain
 from fsdp2._core.mesh import comm_device_type
 from fsdp2._core.slot import Slot
 from fsdp2._core.state import FSDPState, state_of
@@ -32,6 +35,7 @@ __all__ = [
     "UnitSettings",
     "comm_device_type",
     "compute_device",
+    "install_exit_drain",
     "managed_params",
     "on_backward_end",
     "unit_settings",

@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from fsdp2._core.clean_exit import install_exit_drain
 from fsdp2._core.group import ParamGroup
 from fsdp2._core.mesh import MeshInfo, default_mesh, mesh_info, spmd_mesh_info
 from fsdp2._core.module import (
@@ -204,6 +205,7 @@ def fully_shard(
     FSDPState(modules, groups, mp_policy, info.device, auto_reshard=reshard_after_forward is None)
     register_load_reshard(modules, groups)
     install_optimizer_check()  # see [Note: optimizers holding unsharded parameters]
+    install_exit_drain()  # see [Note: clean exit]
     for m in modules:
         m.__class__ = _fsdp_class(type(m))
     return module

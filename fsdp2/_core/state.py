@@ -12,6 +12,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn as nn
+from torch._compile import _disable_dynamo
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fsdp2._core import relayout
@@ -24,11 +25,13 @@ from fsdp2.api import MixedPrecisionPolicy
 
 # torch.compile runs the engine's hooks eagerly (a graph break around each): they
 # move storages and issue collectives, which must not be traced. See docs/compile.md.
+# torch._disable_dynamo (torch's FSDP2 uses it too) imports torch._dynamo at the first
+# call, not at decoration: torch.compiler.disable would import it with fsdp2 (~0.5 s).
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _eager(fn: _F) -> _F:
-    return cast(_F, torch.compiler.disable(fn))
+    return cast(_F, _disable_dynamo(fn))
 
 
 STATE_ATTR = "_fsdp2_state"

@@ -40,7 +40,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from fsdp2._core.seam import compute_device, managed_params
+from fsdp2._core.seam import compute_device, install_exit_drain, managed_params
 from fsdp2.checkpoint._files import (
     Source,
     open_source,
@@ -357,6 +357,7 @@ def save_full_checkpoint(
         RuntimeError: a rank failed to write (on every rank, naming it; disk full, say);
             nothing is published and an older checkpoint at ``path`` is untouched.
     """
+    install_exit_drain()  # its last collective must not abort the exit: [Note: clean exit]
     limit = parse_size(max_shard_size)
     if dtype is not None and not dtype.is_floating_point:
         raise TypeError(f"save_full_checkpoint: dtype must be a floating-point dtype, got {dtype}")

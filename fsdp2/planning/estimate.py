@@ -162,11 +162,17 @@ def _select_blocks(
         isinstance(shard, tuple) and all(isinstance(s, type) for s in shard)
     ):
         return [m for m in model.modules() if m is not model and isinstance(m, shard)]
-    if callable(shard):
+    if callable(shard) and not isinstance(shard, nn.Module):
         return [m for m in model.modules() if m is not model and shard(m)]
+    hint = (
+        " (a module is not a predicate; the default, shard=None, takes every module of an "
+        "nn.ModuleList such as model.model.layers, or pass the layer class)"
+        if isinstance(shard, nn.Module)
+        else ""
+    )
     raise TypeError(
         "estimate_memory: shard must be a module class, a tuple of classes or a "
-        f"function module -> bool, got {type(shard).__name__}"
+        f"function module -> bool, got {type(shard).__name__}{hint}"
     )
 
 

@@ -2,14 +2,14 @@
 
 Two ways users compile: the whole sharded model (``torch.compile(model)``) and each block
 before sharding (``block.compile()``, torchtitan's way). The engine's hooks run eagerly
-(``torch.compiler.disable``; a graph break around each), so dynamo never traces into the
-storage moves or collectives; the blocks' own computation is compiled. Each case trains the
-same model three ways in one worker (fsdp2 eager, fsdp2 compiled, torch's FSDP2 compiled) and
-checks the rank-averaged loss of every step and the full parameters at the end: compiled
-fsdp2 equals compiled torch bitwise, and equals eager fsdp2 (bitwise with ``aot_eager``, which
-runs the traced aten graph eagerly; within tolerance with inductor, which fuses). It also
-checks that nothing recompiles after the first step: the graphs of step 1 serve every later
-step.
+(``torch.compiler.disable``, applied lazily; a graph break around each), so dynamo never traces
+into the storage moves or collectives; the blocks' own computation is compiled. Each case
+trains the same model three ways in one worker (fsdp2 eager, fsdp2 compiled, torch's FSDP2
+compiled) and checks the rank-averaged loss of every step and the full parameters at the end:
+compiled fsdp2 equals compiled torch bitwise, and equals eager fsdp2 (bitwise with
+``aot_eager``, which runs the traced aten graph eagerly; within tolerance with inductor, which
+fuses). It also checks that nothing recompiles after the first step: the graphs of step 1 serve
+every later step.
 """
 
 from __future__ import annotations

@@ -272,3 +272,8 @@ def test_docs_snippets_run() -> None:
             exec(compile(block, "docs/frameworks.md", "exec"), namespace)
     finally:
         restore_torch_fsdp()
+        if "PartialState" in namespace:  # the CPU setup block: accelerate's shared state
+            from accelerate.state import AcceleratorState, GradientState
+
+            AcceleratorState._reset_state(True)
+            GradientState._reset_state()

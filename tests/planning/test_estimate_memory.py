@@ -304,6 +304,9 @@ def test_errors() -> None:
         fsdp2.estimate_memory(
             _DictOut(), torch.empty(2, 4, device="meta"), mesh_shape=2, device="cpu"
         )
+    model = _llama()
+    with pytest.raises(TypeError, match="a module is not a predicate"):  # model.layers
+        fsdp2.estimate_memory(model, _tokens(), mesh_shape=2, device="cpu", shard=model.layers)
     assert not dist.is_initialized()
     assert not HUB.observers  # the tracker unsubscribed
 

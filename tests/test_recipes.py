@@ -1,0 +1,131 @@
+"""The recipes of docs/recipes.md run exactly as the page shows them.
+
+Every command in the page's ``sh`` blocks is run as written (``torchrun`` and ``accelerate``
+are the venv's), in a fresh directory holding a link to ``examples/``, on 2 CPU ranks: each
+exits 0 (no abort at exit either: see [Note: clean exit] in fsdp2/_core/clean_exit.py) and
+prints its closing line. Every ``python`` block of docs/ marked as an excerpt of a script
+(``<!-- excerpt: examples/x.py -->`` on the line before) is that script's text, verbatim;
+the other ``python`` blocks of docs/huggingface.md run, in order, in one namespace.
+``examples/hf_finetune.py`` trains with the same losses and weights, bit for bit, with
+transformers' activation checkpointing, torch's ``checkpoint_wrapper`` and none.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is a test extra")
+pytest.importorskip("accelerate", reason="accelerate is a test extra")
+pytest.importorskip("peft", reason="peft is a test extra")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGE = os.path.join(ROOT, "docs", "recipes.md")
+BIN = os.path.dirname(sys.executable)
+TIMEOUT_S = 300
+
+# The line each script prints last, when all its checks passed.
+DONE = {
+    "examples/hf_finetune.py": "from_pretrained gives the trained weights",
+    "examples/lora_finetune.py": "PeftModel.from_pretrained gives the trained adapter",
+    "examples/accelerate_train.py": "from_pretrained gives the trained weights",
+    "examples/hf_trainer.py": "from_pretrained loads",
+}
+
+
+def _blocks(lang: str, page: str = PAGE) -> list[tuple[str, str]]:
+    """``(the line before the block, its text)`` for each fenced ``lang`` block of ``page``."""
+    text = open(page).read()
+    pattern = re.compile(r"(?:^([^\n]*)\n)?```" + lang + r"\n(.*?)```", re.M | re.S)
+    return [(m.group(1) or "", m.group(2)) for m in pattern.finditer(text)]
+
+
+def _commands() -> list[str]:
+    commands = []
+    for _, block in _blocks("sh"):
+        joined = block.replace("\\\n", " ")
+        commands += [line.strip() for line in joined.splitlines() if line.strip()]
+    return commands
+
+
+def _run(command: str, cwd: str) -> str:
+    argv = shlex.split(command)
+    assert argv[0] in ("torchrun", "accelerate"), command
+    argv[0] = os.path.join(BIN, argv[0])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{command}: exit {proc.returncode}\n{out[-6000:]}"
+    return out
+
+
+@pytest.fixture
+def workdir(tmp_path) -> str:
+    os.symlink(os.path.join(ROOT, "examples"), tmp_path / "examples")
+    return str(tmp_path)
+
+
+def test_page_shows_every_recipe() -> None:
+    commands = _commands()
+    for script in DONE:
+        assert any(script in c for c in commands), f"docs/recipes.md runs no {script}"
+
+
+def test_excerpts_are_verbatim() -> None:
+    excerpts = 0
+    for page in sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))):
+        for before, block in _blocks("python", page):
+            m = re.search(r"<!-- excerpt: (\S+) -->", before)
+            if m is None:
+                continue
+            excerpts += 1
+            source = open(os.path.join(ROOT, m.group(1))).read()
+            where = os.path.relpath(page, ROOT)
+            assert block in source, f"{where}: this excerpt is not in {m.group(1)}:\n{block}"
+    assert excerpts >= len(DONE)
+
+
+def test_huggingface_page_runs() -> None:
+    """docs/huggingface.md's own examples (the memory estimate): one process, no group."""
+    namespace: dict = {}
+    blocks = [
+        b
+        for before, b in _blocks("python", os.path.join(ROOT, "docs", "huggingface.md"))
+        if "<!-- excerpt:" not in before
+    ]
+    assert blocks
+    for block in blocks:
+        exec(compile(block, "docs/huggingface.md", "exec"), namespace)
+    assert namespace["est"].peak_bytes > 0
+
+
+@pytest.mark.parametrize("command", _commands())
+def test_recipe_runs_as_shown(command: str, workdir: str) -> None:
+    out = _run(command, workdir)
+    script = next(s for s in DONE if s in command)
+    assert DONE[script] in out, f"{command}: no '{DONE[script]}' in its output\n{out[-4000:]}"
+    if script != "examples/hf_trainer.py":  # the Trainer logs its own way
+        assert re.search(r"^step 0: loss \d", out, re.M), out[-4000:]
+
+
+def test_activation_checkpointing_keeps_losses(workdir: str) -> None:
+    """transformers' switch, torch's checkpoint_wrapper and no checkpointing: the same
+    losses (as printed) and the same trained weights, bitwise, after 3 steps."""
+    losses, weights = {}, {}
+    for ac in ("hf", "wrapper", "none"):
+        command = (
+            "torchrun --standalone --nproc_per_node 2 examples/hf_finetune.py "
+            f"--steps 3 --ac {ac} --out runs/ac-{ac}"
+        )
+        losses[ac] = re.findall(r"^step \d+: loss .*$", _run(command, workdir), re.M)
+        assert len(losses[ac]) == 3, losses
+        with open(os.path.join(workdir, "runs", f"ac-{ac}", "model.safetensors"), "rb") as f:
+            weights[ac] = f.read()
+    assert losses["hf"] == losses["wrapper"] == losses["none"], losses
+    assert weights["hf"] == weights["wrapper"] == weights["none"]
