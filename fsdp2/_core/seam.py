@@ -10,6 +10,8 @@ or hook: the one place they touch the core's objects, so that the core can chang
   ``to_empty`` materialises a meta-device model's shards).
 * ``install_exit_drain()``: let gloo's workers finish before interpreter exit, for a
   layer that runs collectives of its own ([Note: clean exit]).
+* ``step_phase(module)``: ``"forward"`` / ``"backward"`` while a step of a root in
+  ``module``'s subtree is inside one, else ``None``.
 * ``unit_settings(root)``: a read-only snapshot of what each ``fully_shard`` call under
   ``root`` runs with (reshard after forward, policies, prefetch lists), so that a layer (or
   its tests) can check what it configured without reading the core's objects.
@@ -28,6 +30,7 @@ from fsdp2._core.clean_exit import install_exit_drain
 from fsdp2._core.mesh import comm_device_type
 from fsdp2._core.slot import Slot
 from fsdp2._core.state import FSDPState, state_of
+from fsdp2._core.step import StepPhase
 from fsdp2.api import MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
@@ -38,6 +41,7 @@ __all__ = [
     "install_exit_drain",
     "managed_params",
     "on_backward_end",
+    "step_phase",
     "unit_settings",
 ]
 
@@ -77,6 +81,16 @@ def managed_params(
                 group.reshard()
             out.extend(ManagedParam(p.sharded, tuple(p.owners)) for p in group.params)
     return out
+
+
+def step_phase(module: nn.Module) -> str | None:
+    """``"forward"`` or ``"backward"`` while a training step of a root in ``module``'s
+    subtree is inside its forward or backward; ``None`` between steps."""
+    for st in _states(module, recurse=True):
+        ctx = st.ctx
+        if ctx is not None and ctx.phase is not StepPhase.IDLE:
+            return str(ctx.phase.value)
+    return None
 
 
 def compute_device(module: nn.Module) -> torch.device | None:

@@ -31,7 +31,7 @@ into and out of a sharded model, with bounded memory on every rank.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -40,7 +40,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from fsdp2._core.seam import compute_device, install_exit_drain, managed_params
+from fsdp2._core.seam import compute_device, install_exit_drain, managed_params, step_phase
 from fsdp2.checkpoint._files import (
     Source,
     open_source,
@@ -54,8 +54,15 @@ from fsdp2.checkpoint._save import (
     plan_files,
     write_checkpoint,
 )
+from fsdp2.checkpoint._stream import plan, stream
 
-__all__ = ["KeyMap", "LoadResult", "load_full_checkpoint", "save_full_checkpoint"]
+__all__ = [
+    "KeyMap",
+    "LoadResult",
+    "iter_full_tensors",
+    "load_full_checkpoint",
+    "save_full_checkpoint",
+]
 
 KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
 """Renames tensors: a dict (names it lacks stay as they are) or a function of the name.
@@ -383,6 +390,87 @@ def save_full_checkpoint(
     hf_config = _hf_config(model) if config and not single_file else None
     extra = None if hf_config is None else hf_config.save_pretrained
     return write_checkpoint(path, files, n_writers, rank, single_file, extra)
+
+
+def iter_full_tensors(
+    model: nn.Module,
+    *,
+    dtype: torch.dtype | None = None,
+    bucket_bytes: int = 64 << 20,
+    key_map: KeyMap | None = None,
+    ranks: Iterable[int] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, full tensor)`` for every tensor of ``model``'s ``state_dict()``, in
+    memory, a few all-gathers in all: what an inference engine's weight update takes
+    (vLLM's ``load_weights(weights)``, SGLang's ``update_weights_from_tensor``).
+
+    Collective: every rank calls it with the same arguments and iterates to the end.
+    Tensors sharded on dim 0 over one mesh dim (FSDP, HSDP; uneven sizes too) are packed
+    into buckets of about ``bucket_bytes`` gathered bytes, one all-gather per bucket, the
+    next bucket's issued while the current one's tensors are handed out; other layouts
+    (tensor or expert parallel) are gathered alone with ``full_tensor()``; replicated and
+    plain tensors need no collective. See [Note: streamed full tensors] in ``_stream.py``.
+
+    Args:
+        model: a model sharded with ``fully_shard`` (or any module), between steps.
+        dtype: cast floating-point tensors to it *before* the gather (``torch.bfloat16``
+            halves the bytes); ``None`` keeps each tensor's dtype.
+        bucket_bytes: gathered bytes per all-gather (a larger tensor goes alone); in flight
+            at once: about two buckets.
+        key_map: renames the names (see :data:`KeyMap`); ``None`` drops a tensor.
+        ranks: the global ranks that receive; the others run the same collectives and
+            yield nothing. ``None``: every rank.
+
+    Yields:
+        ``(name, tensor)``: the names of ``state_dict()`` (wrapper parts dropped, as in
+        :func:`save_full_checkpoint`), parameters and persistent buffers in state-dict
+        order, a tied tensor's other names right after its first (the same tensor); each
+        tensor a new full tensor on the model's device (the mesh's), owned by the caller.
+
+    Raises:
+        RuntimeError: called inside a forward or backward.
+        ValueError / TypeError: bad arguments, a tensor on the meta device: raised before
+            any collective.
+    """
+    phase = step_phase(model)
+    if phase is not None:
+        raise RuntimeError(
+            f"iter_full_tensors: called inside the model's {phase}; call it between steps "
+            "(after optimizer.step(), or before the next forward)"
+        )
+    if dtype is not None and not dtype.is_floating_point:
+        raise TypeError(f"iter_full_tensors: dtype must be a floating-point dtype, got {dtype}")
+    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 1:
+        raise ValueError(
+            f"iter_full_tensors: bucket_bytes must be a positive int, got {bucket_bytes!r}"
+        )
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    receivers = set(range(world)) if ranks is None else set(ranks)
+    if not receivers <= set(range(world)):
+        raise ValueError(
+            f"iter_full_tensors: ranks must be in 0..{world - 1}, got {sorted(receivers)}"
+        )
+    _reshard(model)
+    named = _named_tensors(model)
+    on_meta = [name for name, t in named.tensors.items() if t.is_meta]
+    if on_meta:
+        raise ValueError(f"iter_full_tensors: {', '.join(on_meta)} are on the meta device")
+    renamed = _renamed(list(named.tensors) + list(named.aliases), key_map, "iter_full_tensors")
+    new_name = {old: new for new, old in renamed.items()}
+    aliases_of: dict[str, list[str]] = {}
+    for alias, first in named.aliases.items():
+        if alias in new_name:
+            aliases_of.setdefault(first, []).append(new_name[alias])
+    entries = []
+    for name, t in named.tensors.items():
+        cast_to = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        if name in new_name:
+            entries.append((new_name[name], t, cast_to, aliases_of.get(name, [])))
+        elif name in aliases_of:  # dropped, but a tied name is kept: yield it under that
+            first, *rest = aliases_of[name]
+            entries.append((first, t, cast_to, rest))
+    yield from stream(plan(entries), bucket_bytes, receive=rank in receivers)
 
 
 def _hf_config(model: nn.Module) -> Any:
