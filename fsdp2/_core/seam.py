@@ -10,6 +10,9 @@ or hook: the one place they touch the core's objects, so that the core can chang
   ``to_empty`` materialises a meta-device model's shards).
 * ``install_exit_drain()``: let gloo's workers finish before interpreter exit, for a
   layer that runs collectives of its own ([Note: clean exit]).
+* ``gather_pieces(packed, sizes, rows, group, what)``: the engine's all-gather of one flat
+  buffer, landing each rank's pieces in caller-given tensors (straight from the wire on gloo:
+  [Note: gloo straight in and out]), for a layer that gathers tensors of its own.
 * ``step_phase(module)``: ``"forward"`` / ``"backward"`` while a step of a root in
   ``module``'s subtree is inside one, else ``None``.
 * ``unit_settings(root)``: a read-only snapshot of what each ``fully_shard`` call under
@@ -23,14 +26,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp2._core.clean_exit import install_exit_drain
+from fsdp2._core.collectives import Into, all_gather
+from fsdp2._core.gloo import Received
 from fsdp2._core.mesh import comm_device_type
 from fsdp2._core.slot import Slot
 from fsdp2._core.state import FSDPState, state_of
 from fsdp2._core.step import StepPhase
+from fsdp2._core.transport import copy_out
 from fsdp2.api import MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
@@ -38,6 +45,7 @@ __all__ = [
     "UnitSettings",
     "comm_device_type",
     "compute_device",
+    "gather_pieces",
     "install_exit_drain",
     "managed_params",
     "on_backward_end",
@@ -81,6 +89,34 @@ def managed_params(
                 group.reshard()
             out.extend(ManagedParam(p.sharded, tuple(p.owners)) for p in group.params)
     return out
+
+
+def gather_pieces(
+    packed: torch.Tensor,
+    sizes: list[int],
+    rows: list[list[torch.Tensor]],
+    group: dist.ProcessGroup,
+    what: str,
+) -> Callable[[], None]:
+    """Issue the all-gather of ``packed`` (this rank's pieces of ``sizes``, back to back)
+    over ``group``; the returned function waits for it, after which ``rows[r][i]`` (each a
+    ``(sizes[i],)`` tensor) holds group rank ``r``'s piece ``i``. On gloo the peers' pieces
+    are received straight into ``rows``; otherwise they are copied out of the rank-major
+    result."""
+    (result,) = all_gather([packed], group, len(rows), what, into=Into(sizes, rows, _nothing))
+
+    def wait() -> None:
+        if isinstance(result, Received):
+            result.wait()
+            return
+        for r, row in enumerate(result.wait_rows()):
+            copy_out(row, sizes, rows[r])
+
+    return wait
+
+
+def _nothing() -> None:
+    pass
 
 
 def step_phase(module: nn.Module) -> str | None:

@@ -429,8 +429,8 @@ def iter_full_tensors(
 
     Raises:
         RuntimeError: called inside a forward or backward.
-        ValueError / TypeError: bad arguments, a tensor on the meta device: raised before
-            any collective.
+        ValueError / TypeError: bad arguments, a tensor on the meta device: raised by the
+            call itself, before any collective.
     """
     phase = step_phase(model)
     if phase is not None:
@@ -470,7 +470,7 @@ def iter_full_tensors(
         elif name in aliases_of:  # dropped, but a tied name is kept: yield it under that
             first, *rest = aliases_of[name]
             entries.append((first, t, cast_to, rest))
-    yield from stream(plan(entries), bucket_bytes, receive=rank in receivers)
+    return stream(plan(entries), bucket_bytes, receive=rank in receivers)
 
 
 def _hf_config(model: nn.Module) -> Any:

@@ -24,7 +24,7 @@ import re
 import shutil
 import threading
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,9 @@ from fsdp2.checkpoint._publish import carry_over, prepare_stage, replace_dir, st
 __all__ = [
     "Spec",
     "check_same_plan",
+    "comm_device",
+    "coordinates",
+    "full_on_mesh",
     "gather_to",
     "plain",
     "parse_size",
@@ -236,10 +239,33 @@ def plain(t: torch.Tensor, name: str) -> torch.Tensor:
     return t
 
 
-def _comm_device(mesh: DeviceMesh) -> torch.device:
+def comm_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cpu":
         return torch.device("cpu")
     return torch.device(mesh.device_type, torch.accelerator.current_device_index())
+
+
+def row_layout(t: DTensor) -> bool:
+    """Whether ``t`` is sharded on tensor dim 0 over at most one mesh dim and replicated on
+    the others (FSDP, HSDP), so that each shard is a run of rows; not tensor parallel,
+    strided or 0-dim."""
+    placements = t.placements
+    if t.dim() == 0 or any(type(p) not in (Shard, Replicate) for p in placements):
+        return False
+    sharded = [p for p in placements if isinstance(p, Shard)]
+    return len(sharded) == 0 or (len(sharded) == 1 and sharded[0].dim == 0)
+
+
+def shard_dim(t: DTensor) -> int | None:
+    """The mesh dim ``t`` is sharded over (of a ``row_layout`` tensor); ``None``: none."""
+    return next((i for i, p in enumerate(t.placements) if isinstance(p, Shard)), None)
+
+
+def coordinates(mesh: DeviceMesh, dim: int, group: dist.ProcessGroup) -> list[int]:
+    """For each rank of ``group`` (``mesh``'s group along ``dim``), its coordinate on
+    ``dim``: where its rows go in the full tensor."""
+    ranks = mesh.mesh
+    return [int((ranks == g).nonzero()[0][dim]) for g in dist.get_process_group_ranks(group)]
 
 
 def gather_to(
@@ -251,7 +277,7 @@ def gather_to(
         return plain(t, name).to(dtype).to("cpu").contiguous() if rank == owner else None
     plan = _row_plan(t, owner)
     if plan is None:
-        full = _full_tensor(t, dtype, name)
+        full = full_on_mesh(t, dtype, name).to("cpu").contiguous()
         return full if rank == owner else None
     dim, same_group = plan
     if not same_group:
@@ -260,7 +286,7 @@ def gather_to(
     local = plain(t._local_tensor, name)
     if dim is None or mesh.size(dim) == 1 or t.numel() == 0:
         return local.to(dtype).to("cpu").contiguous() if rank == owner else None
-    device, size, rows = _comm_device(mesh), mesh.size(dim), t.shape[0]
+    device, size, rows = comm_device(mesh), mesh.size(dim), t.shape[0]
     chunk = -(-rows // size)
     piece = torch.zeros((chunk, *t.shape[1:]), dtype=dtype, device=device)
     piece[: local.shape[0]].copy_(local)
@@ -270,40 +296,35 @@ def gather_to(
         return None
     out = torch.empty((size * chunk, *t.shape[1:]), dtype=dtype, device=device)
     pieces = out.split(chunk)
-    ranks = mesh.mesh
-    at = [int((ranks == g).nonzero()[0][dim]) for g in dist.get_process_group_ranks(group)]
+    at = coordinates(mesh, dim, group)
     dist.gather(piece, [pieces[k] for k in at], dst=owner, group=group)
     return out[:rows].to("cpu").contiguous()
 
 
 def _row_plan(t: DTensor, owner: int) -> tuple[int | None, bool] | None:
-    """For a DTensor sharded on dim 0 over at most one mesh dim (FSDP, HSDP):
-    ``(that mesh dim or None, whether this rank is in the owner's shard group)``;
-    ``None`` for other layouts (tensor parallel, strided, 0-dim)."""
-    placements = t.placements
-    if t.dim() == 0 or any(type(p) not in (Shard, Replicate) for p in placements):
-        return None
-    sharded = [i for i, p in enumerate(placements) if isinstance(p, Shard)]
-    if len(sharded) > 1 or (sharded and cast(Shard, placements[sharded[0]]).dim != 0):
+    """For a ``row_layout`` DTensor: ``(its shard mesh dim or None, whether this rank is in
+    the owner's shard group)``; ``None`` for other layouts."""
+    if not row_layout(t):
         return None
     mesh = t.device_mesh
     hit = (mesh.mesh == owner).nonzero()
     me = mesh.get_coordinate()
     if len(hit) == 0 or me is None:
         return None
-    dim = sharded[0] if sharded else None
+    dim = shard_dim(t)
     theirs = hit[0].tolist()
     return dim, all(a == b for k, (a, b) in enumerate(zip(me, theirs, strict=True)) if k != dim)
 
 
-def _full_tensor(t: DTensor, dtype: torch.dtype, name: str) -> torch.Tensor:
-    """Every rank of ``t``'s mesh gets the full value (``full_tensor()``: any layout)."""
+def full_on_mesh(t: DTensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """Every rank of ``t``'s mesh gets the full value in ``dtype``, on the mesh's device
+    (``full_tensor()``: any layout; collective)."""
     mesh = t.device_mesh
-    local = plain(t._local_tensor, name).to(device=_comm_device(mesh), dtype=dtype)
+    local = plain(t._local_tensor, name).to(device=comm_device(mesh), dtype=dtype)
     spread = DTensor.from_local(
         local, mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
     )
-    return spread.full_tensor().to("cpu").contiguous()
+    return spread.full_tensor()
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}

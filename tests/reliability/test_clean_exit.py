@@ -18,6 +18,7 @@ workers finish first.
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -26,7 +27,8 @@ import threading
 import time
 
 import fsdp2
-from fsdp2._core import clean_exit
+import fsdp2.checkpoint
+from fsdp2._core import clean_exit, sharding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCHES = 6
@@ -79,7 +81,9 @@ def test_installed_once(monkeypatch) -> None:
     clean_exit.install_exit_drain()
     clean_exit.install_exit_drain()
     assert registered == [clean_exit.drain]
-    assert fsdp2.fully_shard is not None  # fully_shard calls it: see sharding.py
+    # fully_shard and save_full_checkpoint install it
+    for fn in (sharding.fully_shard, fsdp2.checkpoint.save_full_checkpoint):
+        assert "install_exit_drain()" in inspect.getsource(fn), fn
 
 
 def test_drain_quiet_process_is_quick() -> None:
