@@ -227,6 +227,8 @@ def part_step(device: str, size: str, steps: int, warmup: int) -> dict[str, Any]
 
 
 def _memory_one(device: str, size: str, engine: str, world: int) -> dict[str, Any]:
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+
     dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world)
     if device == "cuda":
         torch.cuda.set_device(0)

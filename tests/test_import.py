@@ -49,3 +49,20 @@ def test_lazy_names_resolve() -> None:
         assert "no_such_name" in str(e)
     else:
         raise AssertionError("fsdp2.no_such_name did not raise AttributeError")
+
+
+def test_estimate_memory_in_a_fresh_process() -> None:
+    # Regression: torch's "fake" process-group backend is registered by an import that
+    # torch._dynamo used to make for us; once `import fsdp2` stopped importing dynamo, a
+    # script calling only estimate_memory failed with "Unknown c10d backend type FAKE".
+    code = (
+        "import sys, torch, torch.nn as nn, fsdp2\n"
+        "with torch.device('meta'):\n"
+        "    m = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))\n"
+        "est = fsdp2.estimate_memory(m, torch.empty(4, 64, device='meta'), mesh_shape=2,\n"
+        "    device='cpu', shard=nn.Linear, step_fn=lambda m, b: m(b).sum())\n"
+        "assert est.world_size == 2 and est.peak_bytes > 0, est\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

@@ -24,6 +24,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+# Registers torch's "fake" process-group backend. `torch._dynamo` imports it too, which is
+# how it used to be there; since `import fsdp2` no longer imports dynamo, a fresh script
+# that only calls estimate_memory needs this import of its own.
+import torch.testing._internal.distributed.fake_pg  # noqa: F401
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_map
