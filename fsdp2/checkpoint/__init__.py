@@ -31,7 +31,7 @@ into and out of a sharded model, with bounded memory on every rank.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -40,11 +40,20 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from fsdp2._core.seam import compute_device, install_exit_drain, managed_params, step_phase
+from fsdp2._core.seam import install_exit_drain, step_phase
 from fsdp2.checkpoint._files import (
     Source,
     open_source,
     st_dtype,
+)
+from fsdp2.checkpoint._lora import merge_view
+from fsdp2.checkpoint._names import (
+    KeyMap,
+    Named,
+    model_device,
+    named_tensors,
+    renamed,
+    reshard,
 )
 from fsdp2.checkpoint._save import (
     Spec,
@@ -54,7 +63,7 @@ from fsdp2.checkpoint._save import (
     plan_files,
     write_checkpoint,
 )
-from fsdp2.checkpoint._stream import plan, stream
+from fsdp2.checkpoint._stream import Term, plan, stream
 
 __all__ = [
     "KeyMap",
@@ -63,12 +72,6 @@ __all__ = [
     "load_full_checkpoint",
     "save_full_checkpoint",
 ]
-
-KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
-"""Renames tensors: a dict (names it lacks stay as they are) or a function of the name.
-``None`` drops the tensor (e.g. an old checkpoint's ``rotary_emb.inv_freq``)."""
-
-_WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
 
 
 class LoadResult(NamedTuple):
@@ -79,86 +82,6 @@ class LoadResult(NamedTuple):
     unexpected_keys: list[str]
     """Checkpoint tensors (under their names in the checkpoint, before ``key_map``) the
     model has no tensor for (ignored)."""
-
-
-class _Named(NamedTuple):
-    tensors: dict[str, torch.Tensor]  # first name -> parameter or persistent buffer
-    aliases: dict[str, str]  # another name of a tied tensor -> its first name
-    transient: dict[str, torch.Tensor]  # non-persistent buffers (in no checkpoint)
-
-
-def _clean(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
-
-
-def _named_tensors(model: nn.Module) -> _Named:
-    """See [Note: full checkpoints]: names in ``state_dict`` order."""
-    tensors: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    transient: dict[str, torch.Tensor] = {}
-    first: dict[int, str] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        own = [(n, t, True) for n, t in module._parameters.items()]
-        own += [
-            (n, t, n not in module._non_persistent_buffers_set) for n, t in module._buffers.items()
-        ]
-        for local_name, tensor, persistent in own:
-            if tensor is None:
-                continue
-            name = _clean(f"{prefix}.{local_name}" if prefix else local_name)
-            if not persistent:
-                transient[name] = tensor
-            elif id(tensor) in first:
-                if first[id(tensor)] != name:
-                    aliases[name] = first[id(tensor)]
-            else:
-                first[id(tensor)] = name
-                tensors[name] = tensor
-    return _Named(tensors, aliases, transient)
-
-
-def _rename(key_map: KeyMap | None, name: str) -> str | None:
-    if key_map is None:
-        return name
-    if callable(key_map):
-        return key_map(name)
-    return key_map.get(name, name)
-
-
-def _renamed(names: Iterable[str], key_map: KeyMap | None, who: str) -> dict[str, str]:
-    """``{new name: name}`` for every name ``key_map`` keeps, in order; two names mapped to
-    one are a ``ValueError``."""
-    out: dict[str, str] = {}
-    for name in names:
-        new = _rename(key_map, name)
-        if new is None:
-            continue
-        if new in out:
-            raise ValueError(
-                f"{who}: {out[new]!r} and {name!r} both map to {new!r}: fix the key_map"
-            )
-        out[new] = name
-    return out
-
-
-def _reshard(model: nn.Module) -> None:
-    """Register the sharded parameters everywhere (a manual ``unshard`` or a kept
-    ``reshard_after_forward=False`` copy would otherwise be what we read or write)."""
-    managed_params(model, recurse=True, reshard=True)
-
-
-def _compute_device(model: nn.Module) -> torch.device:
-    device = compute_device(model)
-    if device is not None:
-        return device
-    for t in model.parameters():
-        if isinstance(t, DTensor):
-            mesh = t.device_mesh
-            if mesh.device_type == "cpu":
-                return torch.device("cpu")
-            index = torch.accelerator.current_device_index()
-            return torch.device(mesh.device_type, index)
-    return torch.device("cpu")
 
 
 def load_full_checkpoint(
@@ -196,8 +119,8 @@ def load_full_checkpoint(
         RuntimeError: (``strict``) missing or unexpected names; (always) a shape mismatch,
             naming the tensor and both shapes. Nothing is loaded when any error is raised.
     """
-    _reshard(model)
-    named = _named_tensors(model)
+    reshard(model)
+    named = named_tensors(model)
     with open_source(path) as source:
         plan, unexpected = _match(named, source, key_map)
         missing = [name for name in named.tensors if name not in plan]
@@ -242,7 +165,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _materialise(
     model: nn.Module, everything: dict[str, torch.Tensor], plan: dict[str, str]
-) -> _Named:
+) -> Named:
     """``to_empty`` on the engine's device (one shard per rank), keeping the values of the
     tensors that were real already and are not about to be loaded (e.g. rotary tables
     the user built, while the rest of the model is still on meta)."""
@@ -251,8 +174,8 @@ def _materialise(
         for n, t in everything.items()
         if not t.is_meta and n not in plan
     }
-    model.to_empty(device=_compute_device(model), recurse=True)
-    named = _named_tensors(model)
+    model.to_empty(device=model_device(model), recurse=True)
+    named = named_tensors(model)
     with torch.no_grad():
         for n, t in {**named.tensors, **named.transient}.items():
             if n in kept:
@@ -261,13 +184,13 @@ def _materialise(
 
 
 def _match(
-    named: _Named, source: Source, key_map: KeyMap | None
+    named: Named, source: Source, key_map: KeyMap | None
 ) -> tuple[dict[str, str], list[str]]:
     """``{model name: checkpoint name}`` for every tensor the checkpoint provides (tied
     tensors from their first name if present, else another one), and the unexpected names."""
     plan: dict[str, str] = {}
     unexpected = []
-    for target, ckpt_name in _renamed(source.entries, key_map, "load_full_checkpoint").items():
+    for target, ckpt_name in renamed(source.entries, key_map, "load_full_checkpoint").items():
         first = named.aliases.get(target, target)
         if first not in named.tensors:
             unexpected.append(ckpt_name)
@@ -379,8 +302,8 @@ def save_full_checkpoint(
         raise ValueError(
             f"save_full_checkpoint: {path} is a file; pass a directory or a .safetensors name"
         )
-    _reshard(model)
-    named = _named_tensors(model)
+    reshard(model)
+    named = named_tensors(model)
     on_meta = [name for name, t in named.tensors.items() if t.is_meta]
     if on_meta:
         raise ValueError(f"save_full_checkpoint: {', '.join(on_meta)} are on the meta device")
@@ -399,6 +322,7 @@ def iter_full_tensors(
     bucket_bytes: int = 64 << 20,
     key_map: KeyMap | None = None,
     ranks: Iterable[int] | None = None,
+    merge_lora: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, full tensor)`` for every tensor of ``model``'s ``state_dict()``, in
     memory, a few all-gathers in all: what an inference engine's weight update takes
@@ -420,6 +344,13 @@ def iter_full_tensors(
         key_map: renames the names (see :data:`KeyMap`); ``None`` drops a tensor.
         ranks: the global ranks that receive; the others run the same collectives and
             yield nothing. ``None``: every rank.
+        merge_lora: for a PEFT LoRA model, yield what ``merge_and_unload()`` would leave:
+            the base model's names, each base weight with its active adapters merged
+            (``W + scale * B @ A``), no adapter tensors; the model is not changed. Each rank
+            merges its own rows after the adapters are gathered (they stay in memory
+            until the end). LoRA on ``Linear`` and ``Embedding`` layers (also
+            ``fan_in_fan_out``, LoRA bias) and ``modules_to_save``; DoRA and other
+            variants raise ``ValueError``. Needs ``peft``.
 
     Yields:
         ``(name, tensor)``: the names of ``state_dict()`` (wrapper parts dropped, as in
@@ -429,8 +360,8 @@ def iter_full_tensors(
 
     Raises:
         RuntimeError: called inside a forward or backward.
-        ValueError / TypeError: bad arguments, a tensor on the meta device: raised by the
-            call itself, before any collective.
+        ValueError / TypeError: bad arguments, a tensor on the meta device, a LoRA layer
+            that cannot be merged: raised by the call itself, before any collective.
     """
     phase = step_phase(model)
     if phase is not None:
@@ -451,18 +382,21 @@ def iter_full_tensors(
         raise ValueError(
             f"iter_full_tensors: ranks must be in 0..{world - 1}, got {sorted(receivers)}"
         )
-    _reshard(model)
-    named = _named_tensors(model)
+    reshard(model)
+    named = named_tensors(model)
     on_meta = [name for name, t in named.tensors.items() if t.is_meta]
     if on_meta:
         raise ValueError(f"iter_full_tensors: {', '.join(on_meta)} are on the meta device")
-    renamed = _renamed(list(named.tensors) + list(named.aliases), key_map, "iter_full_tensors")
-    new_name = {old: new for new, old in renamed.items()}
+    terms: dict[str, list[Term]] = {}
+    if merge_lora:
+        named, terms = merge_view(model, named)
+    mapping = renamed(list(named.tensors) + list(named.aliases), key_map, "iter_full_tensors")
+    new_name = {old: new for new, old in mapping.items()}
     aliases_of: dict[str, list[str]] = {}
     for alias, first in named.aliases.items():
         if alias in new_name:
             aliases_of.setdefault(first, []).append(new_name[alias])
-    entries = []
+    entries, merged = [], {}
     for name, t in named.tensors.items():
         cast_to = dtype if dtype is not None and t.is_floating_point() else t.dtype
         if name in new_name:
@@ -470,7 +404,11 @@ def iter_full_tensors(
         elif name in aliases_of:  # dropped, but a tied name is kept: yield it under that
             first, *rest = aliases_of[name]
             entries.append((first, t, cast_to, rest))
-    return stream(plan(entries), bucket_bytes, receive=rank in receivers)
+        else:
+            continue
+        if name in terms:
+            merged[entries[-1][0]] = terms[name]
+    return stream(plan(entries, merged), bucket_bytes, receive=rank in receivers)
 
 
 def _hf_config(model: nn.Module) -> Any:
@@ -479,11 +417,9 @@ def _hf_config(model: nn.Module) -> Any:
     return cfg if callable(getattr(cfg, "save_pretrained", None)) else None
 
 
-def _save_specs(
-    named: _Named, key_map: KeyMap | None, dtype: torch.dtype | None
-) -> dict[str, Spec]:
+def _save_specs(named: Named, key_map: KeyMap | None, dtype: torch.dtype | None) -> dict[str, Spec]:
     specs: dict[str, Spec] = {}
-    for ckpt_name, name in _renamed(named.tensors, key_map, "save_full_checkpoint").items():
+    for ckpt_name, name in renamed(named.tensors, key_map, "save_full_checkpoint").items():
         tensor = named.tensors[name]
         out = dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype
         st_dtype(out, f"save_full_checkpoint: {name}")

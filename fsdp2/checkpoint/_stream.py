@@ -21,7 +21,7 @@ from fsdp2.checkpoint._save import (
     shard_dim,
 )
 
-__all__ = ["Item", "plan", "stream"]
+__all__ = ["Item", "Term", "plan", "stream"]
 
 # [Note: streamed full tensors]
 # An inference engine fed after every optimizer step (RL post-training) wants the model's
@@ -41,6 +41,27 @@ __all__ = ["Item", "plan", "stream"]
 # plain tensors need no collective. Every rank runs the same collectives in the same order
 # (the plan depends only on the model); ranks outside ``ranks`` run them too and yield
 # nothing.
+# LoRA merged on the way out (``merge_lora=True``): an item may carry *terms*, each adding
+# ``transpose(B @ A) * scale`` (or a LoRA bias ``B.bias * scale``) to its value, as PEFT's
+# ``merge`` does. Before the first bucket, every term's A and B are gathered whole (the
+# adapters are small; bucketed like the rest and kept until the end). A "rows" item then
+# merges only its own rows before packing them: ``B[rows] @ A``, or ``(B @ A[:, rows]).T``
+# when transposed (embeddings, ``fan_in_fan_out``), so no rank forms the whole delta and
+# the base weight is never gathered unmerged. Other items merge their full value.
+
+
+@dataclass
+class Term:
+    """One LoRA term of a merged tensor: ``transpose(b @ a, transpose) * scale``, or
+    ``b * scale`` when ``a`` is None (a LoRA bias). ``full_a``/``full_b`` are their full
+    values, filled before the stream starts."""
+
+    a: torch.Tensor | None
+    b: torch.Tensor
+    scale: float
+    transpose: bool
+    full_a: torch.Tensor | None = None
+    full_b: torch.Tensor | None = None
 
 
 @dataclass
@@ -55,6 +76,7 @@ class Item:
     kind: str
     dim: int | None = None  # the mesh dim of a "rows" tensor's shard
     aliases: list[str] = field(default_factory=list)  # tied names yielded after it
+    terms: list[Term] = field(default_factory=list)  # LoRA terms merged into it
 
 
 @dataclass
@@ -78,9 +100,61 @@ def _kind(t: torch.Tensor) -> tuple[str, int | None]:
     return ("rows", dim) if dim is not None else ("full", None)
 
 
-def plan(named: list[tuple[str, torch.Tensor, torch.dtype, list[str]]]) -> list[Item]:
-    """The items, in order: how each tensor is gathered."""
-    return [Item(name, t, dtype, *_kind(t), aliases) for name, t, dtype, aliases in named]
+def plan(
+    named: list[tuple[str, torch.Tensor, torch.dtype, list[str]]],
+    terms: dict[str, list[Term]] | None = None,
+) -> list[Item]:
+    """The items, in order: how each tensor is gathered (``terms``: by yielded name)."""
+    terms = terms or {}
+    return [
+        Item(name, t, dtype, *_kind(t), aliases, terms.get(name, []))
+        for name, t, dtype, aliases in named
+    ]
+
+
+def _delta(term: Term, rows: slice | None) -> torch.Tensor:
+    """``term``'s addend, for the full tensor or only its ``rows``, computed as PEFT's
+    ``get_delta_weight`` does (a CPU half-precision product in fp32)."""
+    b, a = cast(torch.Tensor, term.full_b), term.full_a
+    if a is None:
+        return (b if rows is None else b[rows]) * term.scale
+    low = b.device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16)
+    if low:
+        a, b = a.float(), b.float()
+    if term.transpose:
+        delta = (b @ (a if rows is None else a[:, rows])).T
+    else:
+        delta = (b if rows is None else b[rows]) @ a
+    delta = delta * term.scale
+    return delta.to(cast(torch.Tensor, term.full_b).dtype) if low else delta
+
+
+def _merged(item: Item, value: torch.Tensor, rows: slice | None) -> torch.Tensor:
+    """``value`` (the full tensor, or its ``rows``) with ``item``'s terms added, in its
+    dtype (PEFT adds each in place)."""
+    for term in item.terms:
+        value = torch.add(value, _delta(term, rows)).to(value.dtype)
+    return value
+
+
+def _gather_terms(items: list[Item], bucket_bytes: int) -> None:
+    """Fill every term's ``full_a``/``full_b`` (collective: every rank, same order)."""
+    sources: dict[int, torch.Tensor] = {}
+    for item in items:
+        for term in item.terms:
+            for t in (term.a, term.b):
+                if t is not None:
+                    sources.setdefault(id(t), t)
+    if not sources:
+        return
+    named: list[tuple[str, torch.Tensor, torch.dtype, list[str]]] = [
+        (f"lora term {i}", t, t.dtype, []) for i, t in enumerate(sources.values())
+    ]
+    fulls = {id(item.tensor): full for item, full in _fulls(plan(named), bucket_bytes)}
+    for item in items:
+        for term in item.terms:
+            term.full_a = None if term.a is None else fulls[id(term.a)]
+            term.full_b = fulls[id(term.b)]
 
 
 def _segments(items: list[Item], bucket_bytes: int) -> list[_Bucket | Item]:
@@ -126,7 +200,11 @@ def _issue(bucket: _Bucket) -> _Flight:
         widths.append(-(-shape[0] // bucket.size) * (shape.numel() // shape[0]))
     packed = torch.empty(sum(widths), dtype=bucket.dtype, device=bucket.device)
     for item, rows in zip(bucket.items, packed.split(widths), strict=True):
-        local = plain(cast(DTensor, item.tensor)._local_tensor, item.name)
+        t = cast(DTensor, item.tensor)
+        local = plain(t._local_tensor, item.name)
+        if item.terms:
+            first = t.device_mesh.get_local_rank(item.dim) * -(-t.shape[0] // bucket.size)
+            local = _merged(item, local, slice(first, first + local.shape[0]))
         rows = rows.view(-1, *item.tensor.shape[1:])
         rows[: local.shape[0]].copy_(local)
         rows[local.shape[0] :].zero_()
@@ -150,9 +228,12 @@ def _alone(item: Item) -> torch.Tensor:
     """A "full" or "local" item's full value (``full_tensor()`` is collective)."""
     t = item.tensor
     if item.kind == "full":
-        return full_on_mesh(cast(DTensor, t), item.dtype, item.name)
+        dtype = t.dtype if item.terms else item.dtype  # merged before the cast
+        return _merged(item, full_on_mesh(cast(DTensor, t), dtype, item.name), None).to(item.dtype)
     src = plain(t._local_tensor if isinstance(t, DTensor) else t.detach(), item.name)
     device = comm_device(t.device_mesh) if isinstance(t, DTensor) else src.device
+    if item.terms:
+        return _merged(item, src.to(device), None).to(item.dtype)
     out = src.to(device=device, dtype=item.dtype)
     return out.clone() if out.data_ptr() == src.data_ptr() else out
 
@@ -178,6 +259,7 @@ def stream(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, full tensor)`` for ``items`` in order (each alias right after its
     tensor); with ``receive=False`` run the same collectives and yield nothing."""
+    _gather_terms(items, bucket_bytes)
     if not receive:
         items = [item for item in items if item.kind != "local"]  # no collective: skipped
     for item, full in _fulls(items, bucket_bytes):
