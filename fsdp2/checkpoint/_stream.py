@@ -91,7 +91,7 @@ class _Bucket:
 
 def _kind(t: torch.Tensor) -> tuple[str, int | None]:
     """How ``t`` is gathered, and the mesh dim of a "rows" tensor's shard."""
-    if not isinstance(t, DTensor):
+    if not isinstance(t, DTensor) or t.numel() == 0:  # an empty one needs no collective
         return "local", None
     mesh = t.device_mesh
     if all(isinstance(p, Replicate) or mesh.size(i) == 1 for i, p in enumerate(t.placements)):
@@ -232,15 +232,21 @@ def _alone(item: Item) -> torch.Tensor:
         return _merged(item, full_on_mesh(cast(DTensor, t), dtype, item.name), None).to(item.dtype)
     src = plain(t._local_tensor if isinstance(t, DTensor) else t.detach(), item.name)
     device = comm_device(t.device_mesh) if isinstance(t, DTensor) else src.device
+    if t.numel() == 0:
+        return torch.empty(t.shape, dtype=item.dtype, device=device)
     if item.terms:
         return _merged(item, src.to(device), None).to(item.dtype)
     out = src.to(device=device, dtype=item.dtype)
     return out.clone() if out.data_ptr() == src.data_ptr() else out
 
 
-def _fulls(items: list[Item], bucket_bytes: int) -> Iterator[tuple[Item, torch.Tensor]]:
+def _fulls(
+    items: list[Item], bucket_bytes: int, receive: bool = True
+) -> Iterator[tuple[Item, torch.Tensor]]:
     """Every item with its full value, in order, the next bucket's all-gather issued before
-    the current bucket's tensors are handed out."""
+    the current bucket's tensors are handed out. With ``receive=False``, "local" items are
+    skipped: the buckets are cut from the whole list all the same (a local item between
+    two row tensors ends a bucket on every rank, or the ranks' all-gathers differ)."""
     segments = _segments(items, bucket_bytes)
     ahead: _Flight | None = None
     for i, segment in enumerate(segments):
@@ -250,7 +256,7 @@ def _fulls(items: list[Item], bucket_bytes: int) -> Iterator[tuple[Item, torch.T
         ahead = _issue(nxt) if isinstance(nxt, _Bucket) else None  # on the wire meanwhile
         if isinstance(segment, _Bucket):
             yield from _unpack(flight)
-        else:
+        elif receive or segment.kind != "local":
             yield segment, _alone(segment)
 
 
@@ -260,9 +266,7 @@ def stream(
     """Yield ``(name, full tensor)`` for ``items`` in order (each alias right after its
     tensor); with ``receive=False`` run the same collectives and yield nothing."""
     _gather_terms(items, bucket_bytes)
-    if not receive:
-        items = [item for item in items if item.kind != "local"]  # no collective: skipped
-    for item, full in _fulls(items, bucket_bytes):
+    for item, full in _fulls(items, bucket_bytes, receive):
         if receive:
             yield item.name, full
             for alias in item.aliases:

@@ -138,6 +138,47 @@ def test_ranks_key_map_and_trained_values() -> None:
     assert out[0]["gathers"] == out[1]["gathers"] >= 1
 
 
+class _Between(torch.nn.Module):
+    """A plain buffer between two sharded linears, and empty parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = torch.nn.Linear(4, 4)
+        self.mid = torch.nn.Module()
+        self.mid.register_buffer("count", torch.tensor([3.0, 4.0]))
+        self.lin2 = torch.nn.Linear(4, 4)
+        self.rows0 = torch.nn.Parameter(torch.empty(0, 3))
+        self.cols0 = torch.nn.Parameter(torch.empty(4, 0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin2(self.lin1(x))
+
+
+def _between() -> list[int]:
+    torch.manual_seed(0)
+    model = _Between()
+    fully_shard(model, mesh=world_mesh())
+    ref = {
+        k: v.full_tensor() if hasattr(v, "full_tensor") else v
+        for k, v in model.state_dict().items()
+    }
+    counts = []
+    for ranks in ([0], [1], None):
+        got = dict(iter_full_tensors(model, ranks=ranks))
+        counts.append(len(got))
+        for name, t in got.items():
+            assert torch.equal(t, ref[name]) and t.shape == ref[name].shape, name
+    return counts
+
+
+def test_local_tensors_between_buckets_and_empty_tensors() -> None:
+    # Regressions: a rank outside ``ranks`` skipped the plain buffer between the two
+    # linears and so merged their rows into one all-gather where receivers ran two (gloo:
+    # "Received data size doesn't match expected size"); a (0, 3) parameter divided by zero.
+    out = run_on_ranks(2, _between)
+    assert out == [[7, 0, 7], [0, 7, 7]]
+
+
 def _errors() -> None:
     model = _llama(fully_shard, world_mesh())
     seen = []
