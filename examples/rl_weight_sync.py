@@ -101,7 +101,7 @@ def receive():
         sizes = [shape.numel() * dtype.itemsize for _, shape, dtype in header]
         flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
         dist.broadcast(flat, src=0, group=sync_group)
-        for (name, shape, dtype), raw in zip(header, flat.split(sizes)):
+        for (name, shape, dtype), raw in zip(header, flat.split(sizes), strict=True):
             yield name, raw.view(dtype).view(shape)
 
 
@@ -118,7 +118,7 @@ greedy = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}
 
 if rank == engine:
     model = base_model(seed=1).to(device).eval()  # other weights until the first sync
-    for step in range(args.steps):
+    for _ in range(args.steps):
         load_weights(model, receive())
         with torch.no_grad():
             tokens = model.generate(prompt, **greedy)
@@ -169,8 +169,10 @@ else:
             theirs = torch.empty_like(ours)
             dist.broadcast(theirs, src=engine, group=sync_group)
             assert torch.equal(theirs, ours), (step, theirs.tolist(), ours.tolist())
-            print(f"step {step}: loss {loss.item():.4f}, sync {seconds * 1000:.0f} ms, "
-                  f"engine tokens {theirs[0, prompt.shape[1]:].tolist()}")
+            print(
+                f"step {step}: loss {loss.item():.4f}, sync {seconds * 1000:.0f} ms, "
+                f"engine tokens {theirs[0, prompt.shape[1] :].tolist()}"
+            )
 if rank == 0:
     print(f"weights in sync: {args.steps} steps, the engine's generations match")
 dist.destroy_process_group()

@@ -199,6 +199,10 @@ class ResidualNet(nn.Module):
         """Uses the root's own parameters outside ``forward``."""
         return self.out(torch.relu(self.inp(x))) * 2
 
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """Calls ``forward`` inside itself, twice, as Hugging Face's ``generate`` does."""
+        return self(x) + self(x * 2)
+
 
 # ---------------------------------------------------------------------------------------------
 # Building, data, training helpers

@@ -1,6 +1,6 @@
-"""The recipes of docs/recipes.md run exactly as the page shows them.
+"""The recipes of docs/recipes.md and docs/rl_weight_sync.md run exactly as the pages show them.
 
-Every command in the page's ``sh`` blocks is run as written (``torchrun`` and ``accelerate``
+Every command in the pages' ``sh`` blocks is run as written (``torchrun`` and ``accelerate``
 are the venv's), in a fresh directory holding a link to ``examples/``, on 2 CPU ranks: each
 exits 0 (no abort at exit either: see [Note: clean exit] in fsdp2/_core/clean_exit.py) and
 prints its closing line. Every ``python`` block of docs/ marked as an excerpt of a script
@@ -27,6 +27,7 @@ pytest.importorskip("peft", reason="peft is a test extra")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(ROOT, "docs", "recipes.md")
+PAGES = (PAGE, os.path.join(ROOT, "docs", "rl_weight_sync.md"))
 BIN = os.path.dirname(sys.executable)
 TIMEOUT_S = 300
 
@@ -36,6 +37,7 @@ DONE = {
     "examples/lora_finetune.py": "PeftModel.from_pretrained gives the trained adapter",
     "examples/accelerate_train.py": "from_pretrained gives the trained weights",
     "examples/hf_trainer.py": "from_pretrained loads",
+    "examples/rl_weight_sync.py": "the engine's generations match",
 }
 
 
@@ -48,7 +50,7 @@ def _blocks(lang: str, page: str = PAGE) -> list[tuple[str, str]]:
 
 def _commands() -> list[str]:
     commands = []
-    for _, block in _blocks("sh"):
+    for _, block in [b for page in PAGES for b in _blocks("sh", page)]:
         joined = block.replace("\\\n", " ")
         commands += [line.strip() for line in joined.splitlines() if line.strip()]
     return commands
@@ -74,7 +76,7 @@ def workdir(tmp_path) -> str:
 def test_page_shows_every_recipe() -> None:
     commands = _commands()
     for script in DONE:
-        assert any(script in c for c in commands), f"docs/recipes.md runs no {script}"
+        assert any(script in c for c in commands), f"no page runs {script}"
 
 
 def test_excerpts_are_verbatim() -> None:

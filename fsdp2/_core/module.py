@@ -14,6 +14,7 @@ import torch.nn as nn
 from fsdp2._core import relayout
 from fsdp2._core.group import ParamGroup
 from fsdp2._core.mesh import separate_shard_group
+from fsdp2._core.slot import TrainingState
 from fsdp2._core.state import FSDPState, state_of
 from fsdp2._core.transport import BackendAlloc
 from fsdp2.api import AllGather, ReduceScatter
@@ -430,6 +431,11 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = state._pre_forward(module, args, kwargs)
         out = orig(*args, **kwargs)
+        if state.groups and state.slot.training_state is TrainingState.IDLE:
+            # The method called the module's own forward (Hugging Face's generate on the
+            # root): that forward's end already ended this one (resharded, registered the
+            # backward, ended the root's forward), as torch's FSDP2 leaves it.
+            return state._cast_output(out)
         return state._post_forward(module, args, out)
 
     setattr(module, method_name, wrapped)

@@ -330,7 +330,7 @@ def iter_full_tensors(
 
     Collective: every rank calls it with the same arguments and iterates to the end.
     Tensors sharded on dim 0 over one mesh dim (FSDP, HSDP; uneven sizes too) are packed
-    into buckets of about ``bucket_bytes`` gathered bytes, one all-gather per bucket, the
+    into buckets of about ``bucket_bytes``, one all-gather per bucket, the
     next bucket's issued while the current one's tensors are handed out; other layouts
     (tensor or expert parallel) are gathered alone with ``full_tensor()``; replicated and
     plain tensors need no collective. See [Note: streamed full tensors] in ``_stream.py``.
@@ -339,8 +339,9 @@ def iter_full_tensors(
         model: a model sharded with ``fully_shard`` (or any module), between steps.
         dtype: cast floating-point tensors to it *before* the gather (``torch.bfloat16``
             halves the bytes); ``None`` keeps each tensor's dtype.
-        bucket_bytes: gathered bytes per all-gather (a larger tensor goes alone); in flight
-            at once: about two buckets.
+        bucket_bytes: the memory of one all-gather's bucket: its gathered tensors and
+            this rank's packed rows (a larger tensor goes alone). At most two buckets are
+            alive at once, when the consumer drops each tensor once it has handed it on.
         key_map: renames the names (see :data:`KeyMap`); ``None`` drops a tensor.
         ranks: the global ranks that receive; the others run the same collectives and
             yield nothing. ``None``: every rank.

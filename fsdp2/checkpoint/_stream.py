@@ -30,17 +30,20 @@ __all__ = ["Item", "Term", "plan", "stream"]
 # with DTensor's dispatch. Here every tensor sharded on dim 0 over one mesh dim (FSDP, the
 # shard dim of HSDP; uneven sizes padded as ``torch.chunk`` splits them) joins a *bucket*
 # of consecutive such tensors with the same process group and dtype, up to ``bucket_bytes``
-# of gathered bytes: each rank packs its (cast, padded) rows of every tensor of the bucket
-# into one buffer, and the engine's all-gather (``seam.gather_pieces``) lands every rank's
-# rows of each tensor in that tensor's own (padded) buffer: on gloo straight from the wire,
-# elsewhere copied out of the rank-major result. The next bucket's all-gather is issued
-# before the current bucket's tensors are yielded, so it is on the wire while the consumer
-# handles them; in flight at once: this bucket's tensors and the next one's input and
-# tensors, about two buckets. Other layouts (tensor or expert parallel placements,
+# of memory (the gathered tensors and this rank's packed rows): each rank packs its (cast,
+# padded) rows of every tensor of the bucket into one buffer, and the engine's all-gather
+# (``seam.gather_pieces``) lands every rank's rows of each tensor in that tensor's own
+# (padded) buffer: on gloo straight from the wire, elsewhere copied out of the rank-major
+# result. The next bucket's all-gather is issued once the current one is waited for,
+# before its tensors are yielded, so it is on the wire while the consumer handles them.
+# Memory: nothing here holds a tensor once handed out or an input once waited for, so at
+# most the current bucket's tensors, the next one's and this rank's packed rows of the
+# next are alive: under two buckets (measured in benchmarks/weight_sync.py); a tensor
+# larger than a bucket goes alone. Other layouts (tensor or expert parallel placements,
 # ``Shard(d>0)``, strided shards) are gathered alone with ``full_tensor()``; replicated and
 # plain tensors need no collective. Every rank runs the same collectives in the same order
 # (the plan depends only on the model); ranks outside ``ranks`` run them too and yield
-# nothing.
+# nothing (the buckets are cut from the whole list on every rank).
 # LoRA merged on the way out (``merge_lora=True``): an item may carry *terms*, each adding
 # ``transpose(B @ A) * scale`` (or a LoRA bias ``B.bias * scale``) to its value, as PEFT's
 # ``merge`` does. Before the first bucket, every term's A and B are gathered whole (the
@@ -159,7 +162,8 @@ def _gather_terms(items: list[Item], bucket_bytes: int) -> None:
 
 def _segments(items: list[Item], bucket_bytes: int) -> list[_Bucket | Item]:
     """Consecutive "rows" items sharing a group and dtype, cut at ``bucket_bytes`` of
-    gathered bytes (a larger tensor alone); other items alone."""
+    memory (gathered tensors and this rank's packed input; a larger tensor alone); other
+    items alone."""
     out: list[_Bucket | Item] = []
     current: _Bucket | None = None
     used = 0
@@ -171,7 +175,8 @@ def _segments(items: list[Item], bucket_bytes: int) -> list[_Bucket | Item]:
         t = cast(DTensor, item.tensor)
         mesh, dim = t.device_mesh, cast(int, item.dim)
         group, size = mesh.get_group(dim), mesh.size(dim)
-        nbytes = -(-t.shape[0] // size) * size * (t.numel() // t.shape[0]) * item.dtype.itemsize
+        rows = -(-t.shape[0] // size) * (t.numel() // t.shape[0]) * item.dtype.itemsize
+        nbytes = rows * (size + 1)  # its full (padded) tensor and this rank's packed rows
         fits = current is not None and used + nbytes <= bucket_bytes
         same = current is not None and current.group is group and current.dtype == item.dtype
         if current is None or not (same and fits):
@@ -218,10 +223,19 @@ def _issue(bucket: _Bucket) -> _Flight:
 
 
 def _unpack(flight: _Flight) -> Iterator[tuple[Item, torch.Tensor]]:
-    flight.wait()
-    for item, full in zip(flight.bucket.items, flight.fulls, strict=True):
+    """The bucket's tensors (waited for). Nothing here keeps a tensor alive once handed
+    out (nor the packed input once waited): a consumer that drops each tensor frees the
+    bucket as it goes."""
+    fulls, flight.fulls = flight.fulls[::-1], []
+    for item in flight.bucket.items:
+        full = fulls.pop()
         shape = item.tensor.shape
         yield item, full[: shape.numel()].view(shape)
+        del full
+
+
+def _waited() -> None:
+    pass
 
 
 def _alone(item: Item) -> torch.Tensor:
@@ -250,14 +264,19 @@ def _fulls(
     segments = _segments(items, bucket_bytes)
     ahead: _Flight | None = None
     for i, segment in enumerate(segments):
+        flight = None
         if isinstance(segment, _Bucket):
             flight = ahead or _issue(segment)
+            flight.wait()  # before the next is issued: its packed input is freed first
+            flight.wait = _waited
         nxt = segments[i + 1] if i + 1 < len(segments) else None
         ahead = _issue(nxt) if isinstance(nxt, _Bucket) else None  # on the wire meanwhile
-        if isinstance(segment, _Bucket):
+        if flight is not None:
             yield from _unpack(flight)
-        elif receive or segment.kind != "local":
-            yield segment, _alone(segment)
+        else:
+            item = cast(Item, segment)
+            if receive or item.kind != "local":
+                yield item, _alone(item)
 
 
 def stream(

@@ -137,6 +137,48 @@ def _forward_method() -> None:
     check_grads({"fsdp2": model}, grads_of(ref), "generate", **TOL)
 
 
+def _nested_forward_method() -> None:
+    # Regression: a registered method that calls the module's own forward (Hugging Face's
+    # generate on the root, as accelerate and TRL register it) ended the forward inside;
+    # the method's own end then raised "end of forward ... while it is in idle".
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.fsdp import register_fsdp_forward_method as torch_register
+
+    mesh = world_mesh()
+    torch.manual_seed(0)
+    ref = ResidualNet()
+    torch.manual_seed(0)
+    model = _shard_net(ResidualNet(), mesh)
+    torch.manual_seed(0)
+    theirs = ResidualNet()
+    for block in theirs.layers:
+        torch_fully_shard(block, mesh=mesh)
+    torch_fully_shard(theirs, mesh=mesh)
+    params = list(model.parameters())
+    register_fsdp_forward_method(model, "decode")
+    torch_register(theirs, "decode")
+    x = mine(_batch(0)[0])
+    with torch.no_grad():
+        for _ in range(2):
+            want = ref.decode(x)
+            torch.testing.assert_close(model.decode(x), want)
+            torch.testing.assert_close(theirs.decode(x), want)
+    _assert_sharded_registered(model, params)
+    for _ in range(2):  # with grad, twice: the gradients are averaged and sharded
+        for m in (model, theirs):
+            m.zero_grad()
+            m.decode(x).sum().backward()
+        ref.zero_grad()
+        ref.decode(_batch(0)[0]).sum().div(dist.get_world_size()).backward()
+        _assert_sharded_registered(model, params)
+        check_grads({"fsdp2": model, "torch": theirs}, grads_of(ref), "decode", **TOL)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_register_fsdp_forward_method_calling_forward(world_size: int) -> None:
+    _run(world_size, _nested_forward_method)
+
+
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_register_fsdp_forward_method(world_size: int) -> None:
     _run(world_size, _forward_method)
