@@ -1,6 +1,6 @@
 """The GPU numbers of ``make gpu-check``: fsdp2 against torch's FSDP2 and the unsharded model.
 
-Three parts, each printed as a table and written as JSON (``--json``):
+Four parts, each printed as a table and written as JSON (``--json``):
 
 * ``step``: world size 1 (NCCL), a Llama (8 layers, dim 2048, vocabulary 32000, 4 x 2048
   tokens), bf16 mixed precision (``param_dtype=bf16, reduce_dtype=fp32``; the unsharded model
@@ -17,6 +17,12 @@ Three parts, each printed as a table and written as JSON (``--json``):
   Target: at most torch's.
 * ``offload``: ``CPUOffloadPolicy()`` (pinned) at world size 1, a 4-layer Llama dim 2048:
   interleaved step time and the step's GPU peak, fsdp2 against torch's FSDP2.
+* ``sync``: RL weight sync on rank 0 of 8 through the fake process group (collectives
+  return at once: what remains is dispatch, packing, casts and copies), the step's Llama in
+  fp32: the per-tensor ``full_tensor()`` loop over ``state_dict()`` (torch's FSDP2 and
+  fsdp2) against ``fsdp2.checkpoint.iter_full_tensors`` (fp32 and bf16), interleaved; time
+  and the GPU peak above what was allocated before. Target: the iterator at most half the
+  loop's time.
 
 ``--device cpu`` runs the same code on a tiny model with gloo (what CI checks: the harness,
 not the numbers); memory there is the live tensor bytes of ``benchmarks/_memory.py``.
@@ -49,7 +55,7 @@ import fsdp2  # noqa: E402
 from fsdp2.models import Llama, LlamaConfig  # noqa: E402
 
 MiB = 2**20
-PARTS = ("step", "memory", "offload")
+PARTS = ("step", "memory", "offload", "sync")
 
 
 # name -> (config, batch, seq) per size; "small" is what --device cpu runs.
@@ -62,11 +68,13 @@ SHAPES: dict[str, dict[str, tuple[LlamaConfig, int, int]]] = {
         "step": (_llama(32000, 2048, 8, 16, 2048), 4, 2048),
         "memory": (_llama(32000, 2048, 18, 16, 2048), 2, 2048),
         "offload": (_llama(32000, 2048, 4, 16, 2048), 2, 2048),
+        "sync": (_llama(32000, 2048, 8, 16, 2048), 0, 0),
     },
     "small": {
         "step": (_llama(512, 64, 2, 4, 64), 2, 64),
         "memory": (_llama(512, 64, 3, 4, 64), 2, 64),
         "offload": (_llama(512, 64, 2, 4, 64), 2, 64),
+        "sync": (_llama(512, 64, 2, 4, 64), 0, 0),
     },
 }
 
@@ -335,6 +343,79 @@ def part_offload(device: str, size: str, steps: int, warmup: int) -> dict[str, A
 
 
 # ---------------------------------------------------------------------------------------------
+# sync: RL weight sync, rank 0 of 8 through the fake process group
+
+
+def part_sync(device: str, size: str, repeats: int, world: int) -> dict[str, Any]:
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+
+    from fsdp2.checkpoint import iter_full_tensors
+
+    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world)
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    mesh = init_device_mesh(device, (world,))
+    cfg = SHAPES[size]["sync"][0]
+    models = {}
+    for engine in ("torch", "fsdp2"):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Llama(cfg)
+        fn: Any = fsdp2.fully_shard
+        if engine == "torch":
+            from torch.distributed.fsdp import fully_shard as fn
+        for block in model.layers:
+            fn(block, mesh=mesh)
+        models[engine] = fn(model, mesh=mesh)
+
+    def loop(model: nn.Module) -> Any:
+        return ((n, t.full_tensor()) for n, t in model.state_dict().items())
+
+    ways = {
+        "torch loop": lambda: loop(models["torch"]),
+        "fsdp2 loop": lambda: loop(models["fsdp2"]),
+        "iter fp32": lambda: iter_full_tensors(models["fsdp2"]),
+        "iter bf16": lambda: iter_full_tensors(models["fsdp2"], dtype=torch.bfloat16),
+    }
+    times: dict[str, list[float]] = {k: [] for k in ways}
+    peaks: dict[str, int] = {k: 0 for k in ways}
+    for i in range(repeats + 1):  # the first round warms up
+        for way, make in ways.items():
+            _sync(device)
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            before = _allocated(device)
+            t0 = time.perf_counter()
+            for _ in make():
+                pass
+            _sync(device)
+            if i:
+                times[way].append(time.perf_counter() - t0)
+                if device == "cuda":
+                    peaks[way] = max(peaks[way], int(torch.cuda.max_memory_allocated()) - before)
+    dist.destroy_process_group()
+    n_params = sum(p.numel() for p in models["fsdp2"].parameters())
+    return {
+        "part": "sync",
+        "what": f"rank 0 of {world} (fake process group: collectives return at once), Llama "
+        f"{cfg.n_layers} layers dim {cfg.dim} vocab {cfg.vocab_size} ({n_params / 1e6:.1f}M "
+        f"parameters, {len(models['fsdp2'].state_dict())} tensors), fp32",
+        "impls": {
+            k: {
+                "step_s": _spread(v),
+                "peak_above_resident_mib": peaks[k] / MiB if device == "cuda" else None,
+            }
+            for k, v in times.items()
+        },
+        "ratios": {
+            f"{k} / torch loop": _ratios(times, k, "torch loop")
+            for k in ("fsdp2 loop", "iter fp32", "iter bf16")
+        },
+        "targets": {"iter fp32 / torch loop": 0.5, "iter bf16 / torch loop": 0.5},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def table(result: dict[str, Any]) -> str:
@@ -346,16 +427,18 @@ def table(result: dict[str, Any]) -> str:
         for k, v in impls.items():
             lines.append(f"| {k} | {v['peak_mib']:.0f} | {v['resident_mib']:.0f} |")
     else:
+        sync = result["part"] == "sync"  # no loss: a weight sync is not a step
+        head = "| impl | step s (median) | min | max | step peak above resident MiB |"
         lines += [
-            "| impl | step s (median) | min | max | step peak above resident MiB | last loss |",
-            "| --- | ---: | ---: | ---: | ---: | ---: |",
+            head if sync else head + " last loss |",
+            "| --- | ---: | ---: | ---: | ---: |" + ("" if sync else " ---: |"),
         ]
         for k, v in impls.items():
             s, peak = v["step_s"], v["peak_above_resident_mib"]
             peak_s = "n/a" if peak is None else f"{peak:.0f}"
+            loss = "" if sync else f" {v['last_loss']:.4f} |"
             lines.append(
-                f"| {k} | {s['median']:.4f} | {s['min']:.4f} | {s['max']:.4f} | {peak_s} | "
-                f"{v['last_loss']:.4f} |"
+                f"| {k} | {s['median']:.4f} | {s['min']:.4f} | {s['max']:.4f} | {peak_s} |{loss}"
             )
     lines += ["", "| ratio | median | min | max | target |", "| --- | ---: | ---: | ---: | ---: |"]
     for k, v in result["ratios"].items():
@@ -390,6 +473,8 @@ def main(argv: list[str] | None = None) -> None:
         result = part_step(args.device, size, args.steps or 20, args.warmup)
     elif args.part == "memory":
         result = part_memory(args.device, size, args.world)
+    elif args.part == "sync":
+        result = part_sync(args.device, size, args.steps or 5, args.world)
     else:
         result = part_offload(args.device, size, args.steps or 6, min(args.warmup, 2))
     result.update(device=args.device, size=size, torch=torch.__version__)

@@ -10,9 +10,10 @@ or hook: the one place they touch the core's objects, so that the core can chang
   ``to_empty`` materialises a meta-device model's shards).
 * ``install_exit_drain()``: let gloo's workers finish before interpreter exit, for a
   layer that runs collectives of its own ([Note: clean exit]).
-* ``gather_pieces(packed, sizes, rows, group, what)``: the engine's all-gather of one flat
-  buffer, landing each rank's pieces in caller-given tensors (straight from the wire on gloo:
-  [Note: gloo straight in and out]), for a layer that gathers tensors of its own.
+* ``gather_pieces(packed, sizes, make_rows, group, world, what)``: the engine's all-gather
+  of one flat buffer, landing each rank's pieces in caller-made tensors (straight from the
+  wire on gloo: [Note: gloo straight in and out]), made only when needed, for a layer that
+  gathers tensors of its own.
 * ``step_phase(module)``: ``"forward"`` / ``"backward"`` while a step of a root in
   ``module``'s subtree is inside one, else ``None``.
 * ``unit_settings(root)``: a read-only snapshot of what each ``fully_shard`` call under
@@ -94,29 +95,31 @@ def managed_params(
 def gather_pieces(
     packed: torch.Tensor,
     sizes: list[int],
-    rows: list[list[torch.Tensor]],
+    make_rows: Callable[[], list[list[torch.Tensor]]],
     group: dist.ProcessGroup,
+    world: int,
     what: str,
 ) -> Callable[[], None]:
     """Issue the all-gather of ``packed`` (this rank's pieces of ``sizes``, back to back)
-    over ``group``; the returned function waits for it, after which ``rows[r][i]`` (each a
-    ``(sizes[i],)`` tensor) holds group rank ``r``'s piece ``i``. On gloo the peers' pieces
-    are received straight into ``rows``; otherwise they are copied out of the rank-major
-    result."""
-    (result,) = all_gather([packed], group, len(rows), what, into=Into(sizes, rows, _nothing))
+    over ``group`` (``world`` ranks); the returned function waits for it, after which the
+    rows ``make_rows()`` returned (``rows[r][i]``: a ``(sizes[i],)`` tensor) hold group rank
+    ``r``'s piece ``i``. On gloo exchange the peers' pieces are received straight into the
+    rows, made at the issue; otherwise they are copied out of the rank-major result, and
+    made at the wait (so they and that result are not alive before they must be)."""
+    rows: list[list[torch.Tensor]] = []
+    into = Into(sizes, rows, lambda: rows.extend(make_rows()))
+    (result,) = all_gather([packed], group, world, what, into=into)
 
     def wait() -> None:
         if isinstance(result, Received):
             result.wait()
             return
-        for r, row in enumerate(result.wait_rows()):
+        output = result.wait_rows()
+        rows.extend(make_rows())
+        for r, row in enumerate(output):
             copy_out(row, sizes, rows[r])
 
     return wait
-
-
-def _nothing() -> None:
-    pass
 
 
 def step_phase(module: nn.Module) -> str | None:

@@ -34,16 +34,17 @@ __all__ = ["Item", "Term", "plan", "stream"]
 # padded) rows of every tensor of the bucket into one buffer, and the engine's all-gather
 # (``seam.gather_pieces``) lands every rank's rows of each tensor in that tensor's own
 # (padded) buffer: on gloo straight from the wire, elsewhere copied out of the rank-major
-# result. The next bucket's all-gather is issued once the current one is waited for,
-# before its tensors are yielded, so it is on the wire while the consumer handles them.
-# Memory: nothing here holds a tensor once handed out or an input once waited for, so at
-# most the current bucket's tensors, the next one's and this rank's packed rows of the
-# next are alive: under two buckets (measured in benchmarks/weight_sync.py); a tensor
-# larger than a bucket goes alone. Other layouts (tensor or expert parallel placements,
-# ``Shard(d>0)``, strided shards) are gathered alone with ``full_tensor()``; replicated and
-# plain tensors need no collective. Every rank runs the same collectives in the same order
-# (the plan depends only on the model); ranks outside ``ranks`` run them too and yield
-# nothing (the buckets are cut from the whole list on every rank).
+# result. The next bucket's all-gather is issued once the current one is waited for and
+# its first tensor handed out, so it is on the wire while the consumer handles the rest.
+# Memory: nothing here holds a tensor once handed out or an input once waited for, so with
+# a consumer that holds one tensor at a time, at most the current bucket's tensors, the
+# next one's and this rank's packed rows of the next are alive: under two buckets
+# (measured in benchmarks/weight_sync.py); a tensor larger than a bucket goes alone.
+# Other layouts (tensor or expert parallel placements, ``Shard(d>0)``, strided shards) are
+# gathered alone with ``full_tensor()``; replicated and plain tensors need no collective.
+# Every rank runs the same collectives in the same order (the plan depends only on the
+# model); ranks outside ``ranks`` run them too and yield nothing (the buckets are cut from
+# the whole list on every rank).
 # LoRA merged on the way out (``merge_lora=True``): an item may carry *terms*, each adding
 # ``transpose(B @ A) * scale`` (or a LoRA bias ``B.bias * scale``) to its value, as PEFT's
 # ``merge`` does. Before the first bucket, every term's A and B are gathered whole (the
@@ -213,12 +214,17 @@ def _issue(bucket: _Bucket) -> _Flight:
         rows = rows.view(-1, *item.tensor.shape[1:])
         rows[: local.shape[0]].copy_(local)
         rows[local.shape[0] :].zero_()
-    fulls = [torch.empty(bucket.size * w, dtype=bucket.dtype, device=bucket.device) for w in widths]
-    pieces = [
-        [full[c * w : (c + 1) * w] for full, w in zip(fulls, widths, strict=True)]
-        for c in bucket.order  # group rank r's rows go to its coordinate's place
-    ]
-    wait = gather_pieces(packed, widths, pieces, bucket.group, "iter_full_tensors")
+    fulls: list[torch.Tensor] = []
+
+    def make_rows() -> list[list[torch.Tensor]]:  # when the rows are needed, not before
+        for w in widths:
+            fulls.append(torch.empty(bucket.size * w, dtype=bucket.dtype, device=bucket.device))
+        return [
+            [full[c * w : (c + 1) * w] for full, w in zip(fulls, widths, strict=True)]
+            for c in bucket.order  # group rank r's rows go to its coordinate's place
+        ]
+
+    wait = gather_pieces(packed, widths, make_rows, bucket.group, bucket.size, "iter_full_tensors")
     return _Flight(bucket, fulls, wait)
 
 
@@ -226,7 +232,8 @@ def _unpack(flight: _Flight) -> Iterator[tuple[Item, torch.Tensor]]:
     """The bucket's tensors (waited for). Nothing here keeps a tensor alive once handed
     out (nor the packed input once waited): a consumer that drops each tensor frees the
     bucket as it goes."""
-    fulls, flight.fulls = flight.fulls[::-1], []
+    fulls = flight.fulls[::-1]
+    flight.fulls.clear()  # the list the rows were made into: held by nothing now
     for item in flight.bucket.items:
         full = fulls.pop()
         shape = item.tensor.shape
@@ -257,26 +264,29 @@ def _alone(item: Item) -> torch.Tensor:
 def _fulls(
     items: list[Item], bucket_bytes: int, receive: bool = True
 ) -> Iterator[tuple[Item, torch.Tensor]]:
-    """Every item with its full value, in order, the next bucket's all-gather issued before
-    the current bucket's tensors are handed out. With ``receive=False``, "local" items are
+    """Every item with its full value, in order, the next bucket's all-gather issued once
+    the current bucket's first tensor is handed out. With ``receive=False``, "local" items are
     skipped: the buckets are cut from the whole list all the same (a local item between
     two row tensors ends a bucket on every rank, or the ranks' all-gathers differ)."""
     segments = _segments(items, bucket_bytes)
     ahead: _Flight | None = None
     for i, segment in enumerate(segments):
-        flight = None
+        nxt = segments[i + 1] if i + 1 < len(segments) else None
         if isinstance(segment, _Bucket):
             flight = ahead or _issue(segment)
             flight.wait()  # before the next is issued: its packed input is freed first
             flight.wait = _waited
-        nxt = segments[i + 1] if i + 1 < len(segments) else None
-        ahead = _issue(nxt) if isinstance(nxt, _Bucket) else None  # on the wire meanwhile
-        if flight is not None:
-            yield from _unpack(flight)
+            ahead = None
+            for n, pair in enumerate(_unpack(flight)):
+                yield pair
+                if n == 0 and isinstance(nxt, _Bucket):
+                    # The consumer holds this bucket's first tensor and none of the last
+                    # bucket's: the next one's all-gather goes on the wire now.
+                    ahead = _issue(nxt)
         else:
-            item = cast(Item, segment)
-            if receive or item.kind != "local":
-                yield item, _alone(item)
+            ahead = _issue(nxt) if isinstance(nxt, _Bucket) else None  # on the wire meanwhile
+            if receive or segment.kind != "local":
+                yield segment, _alone(segment)
 
 
 def stream(

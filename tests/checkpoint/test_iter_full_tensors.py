@@ -8,6 +8,8 @@ bucketed all-gathers (weight sync to an inference engine; issue 39, first part).
   is the full tensor cast (the cast happens before the gather: the all-gathers carry bf16).
 * The all-gathers: one per bucket (``bucket_bytes`` large: one in all for FSDP), more with
   small buckets, every one on the shard group.
+* Memory: with a consumer holding one tensor at a time, the storages the stream creates
+  never exceed two buckets (the benchmark's meter, benchmarks/weight_sync.py).
 * ``ranks=[0]``: rank 0 receives everything, the others run the same collectives and yield
   nothing. ``key_map`` renames and drops. After training steps the values are the trained
   ones.
@@ -136,6 +138,36 @@ def test_ranks_key_map_and_trained_values() -> None:
     out = run_on_ranks(2, _ranks_key_map_training)
     assert out[0]["n_ranks0"] == 21 and out[1]["n_ranks0"] == 0
     assert out[0]["gathers"] == out[1]["gathers"] >= 1
+
+
+def _memory() -> dict[str, int]:
+    # The benchmark's meter: the bytes of storages created inside the block, still alive.
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "weight_sync.py")
+    spec = importlib.util.spec_from_file_location("weight_sync_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model = _llama(fully_shard, world_mesh())
+    bucket = 64 << 10  # above the largest tensor's footprint (the embedding: 48 KiB)
+    out = {"bucket": bucket}
+    for dtype in (None, torch.bfloat16):
+        with CommCounter() as counter, bench._Live() as live:
+            for _ in iter_full_tensors(model, dtype=dtype, bucket_bytes=bucket):
+                pass  # a consumer holding one tensor at a time
+        out[f"peak {dtype}"] = live.peak
+        out[f"gathers {dtype}"] = len([c for c in counter.calls if c.kind == "AG"])
+    return out
+
+
+def test_memory_under_two_buckets() -> None:
+    for out in run_on_ranks(2, _memory):
+        # about 280 KiB of fp32 tensors: several buckets, never more than two alive
+        assert out["gathers None"] >= 3 and out["gathers torch.bfloat16"] >= 2, out
+        assert 0 < out["peak None"] <= 2 * out["bucket"], out
+        assert 0 < out["peak torch.bfloat16"] <= 2 * out["bucket"], out
 
 
 class _Between(torch.nn.Module):
