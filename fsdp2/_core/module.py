@@ -220,19 +220,36 @@ class FSDPModule:
         self._update(False, reduce={"force_sum": bool(enable)})
 
     def set_all_reduce_hook(
-        self, hook: Callable[[torch.Tensor], None], *, stream: Any = None
+        self, hook: Callable[[torch.Tensor], None], *, stream: Any = None, mesh: Any = None
     ) -> None:
         """Call ``hook(output)`` on each flat reduced gradient before it lands:
         after the reduce-scatter for FSDP, after the all-reduce for HSDP. Use it
-        to reduce across a dimension fsdp2 does not manage. ``stream`` (CUDA) is
-        the stream to run the hook on; not allowed with HSDP. Not recursive."""
+        to reduce across a dimension fsdp2 does not manage (torchft's replica groups:
+        ``fsdp2.integrations.torchft``). ``stream`` (CUDA) is the stream to run the hook
+        on; not allowed with HSDP. Not recursive.
+
+        A ``fully_shard`` call with several parameter groups (per-parameter meshes,
+        expert parallel + FSDP) calls the hook on every group's reduced shard, one call
+        per group (torch's FSDP2 refuses such modules). ``mesh``: set the hook of the
+        group on that mesh only; call once per mesh for hooks that must tell the groups
+        apart. ``ValueError`` if no group of this module is on ``mesh``."""
         if not callable(hook):
             raise TypeError(f"all-reduce hook must be callable, got {type(hook).__name__}")
-        self._one_group("set_all_reduce_hook", "hook")
-        for g in self._groups():
+        groups = self._groups()
+        if mesh is not None:
+            groups = [g for g in groups if g.info.mesh == mesh]
+            if not groups:
+                meshes = "; ".join(f"{g.path}: {g.info.mesh}" for g in self._groups())
+                raise ValueError(
+                    f"set_all_reduce_hook(mesh=...): no parameter group of "
+                    f"{type(self).__name__} is on {mesh} (its groups: {meshes or 'none'})"
+                )
+        for g in groups:
             if stream is not None and g.info.replicate_group is not None:
                 raise ValueError("set_all_reduce_hook(stream=...) cannot be used with HSDP")
-        self._update(False, reduce={"hook": hook if stream is None else _on_stream(hook, stream)})
+        wrapped = hook if stream is None else _on_stream(hook, stream)
+        for g in groups:
+            g.update(reduce={"hook": wrapped})
 
     def set_custom_all_gather(self, comm: AllGather) -> None:
         """Replace this module's all-gather by ``comm`` (which also allocates its

@@ -347,11 +347,11 @@ def _methods() -> None:
     _loss(unused, rank_slice(x, rank, WORLD), rank_slice(y, rank, WORLD)).backward()
     for name, p in unused.named_parameters():
         assert p.grad is not None, name
-    # one comm for several meshes is ambiguous: refused, as torch refuses it
+    # one comm for several meshes is ambiguous: refused, as torch refuses it (the
+    # all-reduce hook is not: see test_all_reduce_hook_on_several_groups)
     for method, arg in [
         ("set_custom_all_gather", _NoComm()),
         ("set_custom_reduce_scatter", _NoReduce()),
-        ("set_all_reduce_hook", lambda t: None),
     ]:
         with expect_raises(method, ValueError, match="2 parameter groups on different meshes"):
             getattr(block, method)(arg)
@@ -375,6 +375,47 @@ class _NoReduce(fsdp2.ReduceScatter):
 
 def test_methods_over_several_groups() -> None:
     run_on_ranks(WORLD, _methods)
+
+
+def _hook_on_several_groups() -> dict[str, int]:
+    flat, hsdp = _meshes()
+    x, y = make_batch(NAME, 0)
+    rank = dist.get_rank()
+    xs, ys = rank_slice(x, rank, WORLD), rank_slice(y, rank, WORLD)
+    plain, every, per = (_shard("fsdp2", build(NAME)) for _ in range(3))
+    calls: dict[str, int] = {"every": 0, "hsdp": 0}
+
+    def double(t: torch.Tensor, key: str) -> None:
+        calls[key] += 1
+        t.mul_(2)
+
+    for m in every.modules():
+        if isinstance(m, FSDPModule):  # no mesh=: every group of the call
+            m.set_all_reduce_hook(lambda t: double(t, "every"))
+    for block in per.layers:  # mesh=: the MLP weights' group only
+        block.set_all_reduce_hook(lambda t: double(t, "hsdp"), mesh=hsdp)
+    with expect_raises("set_all_reduce_hook", ValueError, match="no parameter group of"):
+        per.set_all_reduce_hook(lambda t: None, mesh=hsdp)  # the root's group is flat
+    for model in (plain, every, per):
+        _loss(model, xs, ys).backward()
+    doubled = 0
+    params = zip(plain.named_parameters(), every.parameters(), per.parameters(), strict=True)
+    for (name, p), q, r in params:
+        want = p.grad.to_local()
+        assert torch.equal(q.grad.to_local(), want * 2), name
+        on_hsdp = p.device_mesh.ndim == 2
+        doubled += on_hsdp
+        assert torch.equal(r.grad.to_local(), want * 2 if on_hsdp else want), name
+    return calls | {"doubled": doubled}
+
+
+def test_all_reduce_hook_on_several_groups() -> None:
+    # torch's FSDP2 refuses a hook on a call with several groups (torchtitan issues 4208,
+    # 4664: no torchft with expert parallelism); fsdp2 calls it once per group, or only on
+    # the group of ``mesh``.
+    for out in run_on_ranks(WORLD, _hook_on_several_groups):
+        blocks = len(build(NAME).layers)
+        assert out["hsdp"] == blocks and out["every"] > out["hsdp"] and out["doubled"] > 0, out
 
 
 # ---------------------------------------------------------------------------------------------
