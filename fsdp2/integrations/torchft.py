@@ -39,7 +39,12 @@ KEY = "fsdp2"
 
 
 def wire(
-    manager: Any, model: nn.Module, optimizer: torch.optim.Optimizer, *, key: str = KEY
+    manager: Any,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    key: str = KEY,
+    average_gradients: bool = True,
 ) -> None:
     """Make ``model``, sharded with ``fully_shard`` inside one torchft replica group, train
     as one model across the replica groups of ``manager`` (a ``torchft.Manager``).
@@ -53,6 +58,10 @@ def wire(
       your own.
     * ``optimizer.step`` holds torchft's state-dict lock, so that a peer never reads half a
       step.
+
+    ``average_gradients=False`` leaves the gradients alone, for torchft's ``LocalSGD`` /
+    ``DiLoCo``, which average the parameters every few steps themselves (they read the
+    sharded parameters' local shards between steps, which fsdp2 keeps registered).
 
     Call it once, after ``fully_shard`` and building ``optimizer`` (the plain optimizer; wrap
     it in ``torchft.optim.OptimizerWrapper`` for the loop, which starts the quorum in
@@ -72,7 +81,7 @@ def wire(
         for name, p in module._parameters.items()
         if p is not None and (id(module), name) not in owners and p.requires_grad
     ]
-    if loose:
+    if loose and average_gradients:
         raise ValueError(
             f"fsdp2.integrations.torchft.wire: {', '.join(loose)} are not managed by "
             "fully_shard, so their gradients would not be averaged across the replica "
@@ -95,7 +104,7 @@ def wire(
         manager.allreduce(output).wait()
 
     for module in model.modules():
-        if isinstance(module, FSDPModule):
+        if average_gradients and isinstance(module, FSDPModule):
             module.set_all_reduce_hook(hook)
 
     paths = {id(module): path for path, module in model.named_modules()}

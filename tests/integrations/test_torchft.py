@@ -9,6 +9,8 @@ rank's shards). Every process a test starts is killed when it ends.
   groups. (torch's FSDP2 with the same local-shard state functions fails there: the quorum
   thread finds the unsharded parameters registered mid-forward.)
 * An EP + FSDP MoE (two parameter groups per block: the hook runs on both): equal groups.
+* torchft's ``LocalSGD`` (``wire(..., average_gradients=False)``): equal groups after every
+  sync, and the same losses as torch's FSDP2 under it.
 * One group SIGKILLed mid-run (HTTP transport with the asynchronous quorum, PG transport with
   the synchronous one): the survivor raises nothing, loses at most the step the kill lands in
   and goes on with one participant; the group restarted heals from it, and the two are
@@ -152,6 +154,29 @@ def test_no_fault_async_quorum(tmp_path: Any) -> None:
 
 def test_no_fault_moe(tmp_path: Any) -> None:
     _assert_groups_equal(_run_two_groups(tmp_path, "--steps", "3", "--model", "moe"), 3)
+
+
+def test_local_sgd_like_torch(tmp_path: Any) -> None:
+    # torchft's LocalSGD (parameters averaged every 2 local steps; wire(...,
+    # average_gradients=False) for the healing state): the groups are equal after every
+    # sync, and fsdp2 trains like torch's FSDP2 under it.
+    runs = {
+        engine: _run_two_groups(
+            tmp_path / engine, "--steps", "3", "--local-sgd", "2", "--engine", engine
+        )
+        for engine in ("fsdp2", "torch")
+    }
+    for engine, out in runs.items():
+        for rank in range(2):
+            a, b = out[(0, rank)], out[(1, rank)]
+            assert [x["after"] for x in a] == [x["after"] for x in b], engine
+            synced = [(x, y) for x, y in zip(a, b, strict=True) if x["step"] % 2 == 0]
+            assert len(synced) == 3, (engine, a)
+            for x, y in synced:
+                assert x["digest"] == y["digest"], (engine, rank, x, y)
+    for key, lines in runs["fsdp2"].items():
+        for x, y in zip(lines, runs["torch"][key], strict=True):
+            assert x["loss"] == pytest.approx(y["loss"], rel=1e-5), (key, x, y)
 
 
 @pytest.mark.parametrize(

@@ -41,6 +41,7 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--min-replicas", type=int, default=1)
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds after each step")
     ap.add_argument("--stop-file", default=None, help="stop early once this file exists")
+    ap.add_argument("--local-sgd", type=int, default=0, help="LocalSGD, syncing every N steps")
     return ap.parse_args()
 
 
@@ -71,24 +72,42 @@ def _model(kind: str, engine: str) -> torch.nn.Module:
     )
 
 
-def _wire_torch(manager: Manager, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
-    """What torchft's own FSDP test does with torch's FSDP2 (the hook; local shards)."""
+def _wire_torch(
+    manager: Manager, model: torch.nn.Module, optim: torch.optim.Optimizer, hook: bool
+) -> None:
+    """What torchft's own FSDP test does with torch's FSDP2 (the hook), and the same state
+    as fsdp2's ``wire``: the local shards of the parameters and of the optimizer state."""
     from torch.distributed.fsdp import FSDPModule
 
     for m in model.modules():
-        if isinstance(m, FSDPModule):
+        if hook and isinstance(m, FSDPModule):
             m.set_all_reduce_hook(lambda t: manager.allreduce(t).wait())
+    params = list(model.parameters())
 
     def state_dict() -> dict[str, Any]:
         # Read from torchft's quorum thread: with the asynchronous quorum, during a forward,
         # where torch's FSDP2 has the unsharded parameters registered (not DTensors):
         # then this fails, and the heal with it. Use the synchronous quorum with torch.
-        return {n: p.to_local() for n, p in model.named_parameters()}
+        return {
+            "params": {n: p.to_local() for n, p in model.named_parameters()},
+            "optim": {
+                i: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in st.items()}
+                for i, st in enumerate(optim.state[p] for p in params)
+            },
+        }
 
     def load(state: dict[str, Any]) -> None:
         with torch.no_grad():
             for n, p in model.named_parameters():
-                p.to_local().copy_(state[n])
+                p.to_local().copy_(state["params"][n])
+            for i, p in enumerate(params):
+                st = optim.state[p]
+                for k, v in state["optim"][i].items():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        v = DTensor.from_local(
+                            v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                        )
+                    st[k] = v.clone() if isinstance(v, torch.Tensor) else v
 
     manager.register_state_dict_fn("torch", load, state_dict)
 
@@ -106,6 +125,52 @@ def _digest(model: torch.nn.Module) -> str:
         h.update(name.encode())
         h.update(local.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def _local_sgd(
+    args: argparse.Namespace,
+    manager: Manager,
+    model: torch.nn.Module,
+    inner: torch.optim.Optimizer,
+    scale: int,
+    group: int,
+    rank: int,
+) -> None:
+    """torchft's LocalSGD: local steps, the parameters averaged every ``--local-sgd``."""
+    from torchft.local_sgd import LocalSGD
+
+    if args.engine == "fsdp2":
+        wire(manager, model, inner, average_gradients=False)
+    else:
+        _wire_torch(manager, model, inner, hook=False)
+    local = 0
+    with LocalSGD(manager, model, inner, sync_every=args.local_sgd):
+        while manager.current_step() < args.steps:
+            tokens = _tokens(local, group, rank)
+            inner.zero_grad()
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+            (loss / scale).backward()
+            inner.step()  # every --local-sgd steps: the parameters averaged over the groups
+            local += 1
+            _report(group, rank, local, manager, loss, model)
+    manager.shutdown(wait=False)
+    dist.destroy_process_group()
+
+
+def _report(
+    group: int, rank: int, step: int, manager: Manager, loss: torch.Tensor, model: Any
+) -> None:
+    line = {
+        "group": group,
+        "rank": rank,
+        "step": step,
+        "after": manager.current_step(),
+        "loss": float(loss.detach()),
+        "participants": manager.num_participants(),
+        "digest": _digest(model),
+        "t": time.time(),
+    }
+    print(json.dumps(line), flush=True)
 
 
 def main() -> None:
@@ -133,10 +198,13 @@ def main() -> None:
         connect_timeout=timedelta(seconds=10),
         checkpoint_transport=transport,
     )
+    if args.local_sgd:
+        _local_sgd(args, manager, model, inner, scale, group, rank)
+        return
     if args.engine == "fsdp2":
         wire(manager, model, inner)  # fsdp2.integrations.torchft
     else:
-        _wire_torch(manager, model, inner)
+        _wire_torch(manager, model, inner, hook=True)
     optim = OptimizerWrapper(manager, inner)  # zero_grad starts the quorum, step commits
     while manager.current_step() < args.steps:
         step = manager.current_step()
@@ -145,21 +213,7 @@ def main() -> None:
         loss = model(tokens[:, :-1], tokens[:, 1:])
         (loss / scale).backward()  # scale: 1, or the MoE's (see parallelize_moe)
         optim.step()  # skipped when the step cannot be committed
-        print(
-            json.dumps(
-                {
-                    "group": group,
-                    "rank": rank,
-                    "step": step,
-                    "after": manager.current_step(),
-                    "loss": float(loss.detach()),
-                    "participants": manager.num_participants(),
-                    "digest": _digest(model),
-                    "t": time.time(),
-                }
-            ),
-            flush=True,
-        )
+        _report(group, rank, step, manager, loss, model)
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if args.stop_file and os.path.exists(args.stop_file):
