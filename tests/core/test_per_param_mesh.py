@@ -396,6 +396,11 @@ def _hook_on_several_groups() -> dict[str, int]:
         block.set_all_reduce_hook(lambda t: double(t, "hsdp"), mesh=hsdp)
     with expect_raises("set_all_reduce_hook", ValueError, match="no parameter group of"):
         per.set_all_reduce_hook(lambda t: None, mesh=hsdp)  # the root's group is flat
+    if ShardPlacementResult is not None:  # torch's per-parameter meshes (2.13+) refuse it
+        theirs = _shard("torch", build(NAME))
+        with pytest.raises(Exception) as refused:
+            theirs.layers[0].set_all_reduce_hook(lambda t: None)
+        calls["torch refuses"] = int("group" in str(refused.value).lower())
     for model in (plain, every, per):
         _loss(model, xs, ys).backward()
     doubled = 0
@@ -416,6 +421,7 @@ def test_all_reduce_hook_on_several_groups() -> None:
     for out in run_on_ranks(WORLD, _hook_on_several_groups):
         blocks = len(build(NAME).layers)
         assert out["hsdp"] == blocks and out["every"] > out["hsdp"] and out["doubled"] > 0, out
+        assert out.get("torch refuses", 1) == 1, out
 
 
 # ---------------------------------------------------------------------------------------------
