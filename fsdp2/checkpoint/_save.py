@@ -331,7 +331,8 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 
 
-def parse_size(size: int | str) -> int:
+def parse_size(size: int | str, what: str = "save_full_checkpoint: max_shard_size") -> int:
+    """Bytes of ``size``: a positive int, or a string like ``'5GB'`` or ``'500MiB'``."""
     if isinstance(size, int) and not isinstance(size, bool) and size > 0:
         return size
     if isinstance(size, str):
@@ -339,8 +340,7 @@ def parse_size(size: int | str) -> int:
         if m and m.group(2).upper() in _UNITS and float(m.group(1)) > 0:
             return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
     raise ValueError(
-        f"save_full_checkpoint: max_shard_size must be a positive number of bytes or a size "
-        f"like '5GB' or '500MiB', got {size!r}"
+        f"{what} must be a positive number of bytes or a size like '5GB' or '500MiB', got {size!r}"
     )
 
 

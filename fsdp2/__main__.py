@@ -1,0 +1,7 @@
+"""``python -m fsdp2``: the ``fsdp2`` command (fsdp2/cli.py)."""
+
+import sys
+
+from fsdp2.cli import main
+
+sys.exit(main())

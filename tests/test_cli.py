@@ -1,0 +1,128 @@
+"""The ``fsdp2`` command (fsdp2/cli.py): docs/cli.md's commands run exactly as shown, with
+the output the page shows; ``python -m fsdp2`` is the same command; ``fsdp2 estimate``'s
+numbers are ``fsdp2.estimate_memory``'s, to the byte (JSON, HSDP mesh, a sweep); the inputs a
+person gets wrong exit 1 or 2 with a message saying what to fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is a test extra")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGE = os.path.join(ROOT, "docs", "cli.md")
+
+
+def _run(argv: list[str], cwd: str = ROOT) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _fsdp2(*args: str) -> subprocess.CompletedProcess[str]:
+    return _run([sys.executable, "-m", "fsdp2", *args])
+
+
+def _page() -> list[tuple[str, str]]:
+    """``(command, the text block after it)`` for each ``sh`` block of the page."""
+    text = open(PAGE).read()
+    pairs = re.findall(r"```sh\n(.*?)```\s*\n```text\n(.*?)```", text, re.S)
+    return [(cmd.strip(), out) for cmd, out in pairs]
+
+
+def test_page_commands_print_what_the_page_shows() -> None:
+    pairs = _page()
+    assert len(pairs) == 2
+    script = os.path.join(os.path.dirname(sys.executable), "fsdp2")
+    for command, shown in pairs:
+        argv = shlex.split(command)
+        assert argv[0] == "fsdp2", command
+        # the installed console script when there is one (pip install), else python -m
+        argv = [script, *argv[1:]] if os.path.exists(script) else [sys.executable, "-m", *argv]
+        proc = _run(argv)
+        assert proc.returncode == 0, (command, proc.stderr[-3000:])
+        assert proc.stdout == shown, (command, proc.stdout)
+
+
+def _config(tmp_path: Any) -> str:
+    from models import hf_llama_config
+
+    cfg = hf_llama_config(512, hidden_size=64, intermediate_size=128)
+    folder = str(tmp_path / "tiny")
+    cfg.save_pretrained(folder)
+    return folder
+
+
+def _python_estimate(folder: str, mesh: Any) -> Any:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import fsdp2
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    ids = torch.zeros(2, 64, dtype=torch.long, device="meta")
+    mp = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return fsdp2.estimate_memory(
+        model,
+        {"input_ids": ids, "labels": ids},
+        mesh_shape=mesh,
+        device="cpu",
+        mp_policy=mp,
+        compare=False,
+    )
+
+
+def test_estimate_equals_estimate_memory(tmp_path: Any) -> None:
+    folder = _config(tmp_path)
+    common = ["--batch", "2", "--seq", "64", "--device", "cpu", "--json"]
+    proc = _fsdp2("estimate", folder, "--mesh", "2x2", "--device-memory", "1MiB", *common)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)  # stdout holds the JSON only
+    want = _python_estimate(folder, (2, 2))
+    assert got["peak_bytes"] == want.peak_bytes and got["parts"] == want.parts, got
+    assert got["mesh_shape"] == [2, 2] and got["world_size"] == 4
+    assert got["fits"] is False and got["device_memory_bytes"] == 2**20
+    sweep = _fsdp2("estimate", os.path.join(folder, "config.json"), "--sweep", "2,4", *common)
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    lines = json.loads(sweep.stdout)
+    assert [x["world_size"] for x in lines] == [2, 4]
+    assert lines[1]["peak_bytes"] == _python_estimate(folder, 4).peak_bytes
+    table = _fsdp2("estimate", folder, "--sweep", "2,4", *common[:-1])
+    assert table.returncode == 0 and len(table.stdout.splitlines()) == 4, table.stdout
+
+
+def test_inputs_a_person_gets_wrong(tmp_path: Any) -> None:
+    folder = _config(tmp_path)
+    bogus = tmp_path / "bogus"
+    bogus.mkdir()
+    (bogus / "config.json").write_text('{"model_type": "no-such-model"}')
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [
+        (["estimate", str(tmp_path / "missing")], 1, "no such file or folder"),
+        (["estimate", str(empty)], 1, "a folder without a config.json"),
+        (["estimate", str(bogus)], 1, "transformers cannot read this config"),
+        (["estimate", folder, "--device-memory", "lots"], 1, "--device-memory must be"),
+        (["estimate", folder, "--mesh", "3x"], 2, "--mesh must be N"),
+        (["estimate", folder, "--sweep", "8,x"], 2, "--sweep takes world sizes"),
+        (["estimate", folder, "--batch", "0"], 2, "--batch must be at least 1"),
+        (["nonsense"], 2, "invalid choice"),
+    ]
+    for args, code, message in cases:
+        proc = _fsdp2(*args)
+        assert proc.returncode == code and message in proc.stderr, (args, proc.stderr[-2000:])
+
+
+def test_readme_shows_a_tested_command() -> None:
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    shown = [line for line in readme.splitlines() if line.startswith("fsdp2 estimate ")]
+    assert shown and all(line in [cmd for cmd, _ in _page()] for line in shown), shown
