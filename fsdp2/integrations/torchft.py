@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp2._core.module import FSDPModule
 from fsdp2._core.seam import managed_params
+from fsdp2.optim import _sharded_like
 
 __all__ = ["wire"]
 
@@ -168,28 +169,16 @@ def _to_local(tree: Any) -> Any:
 
 def _to_dtensors(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """An optimizer state dict of local tensors (``state_dict()`` above) with each state
-    tensor shaped like its parameter's shard wrapped back as that parameter's DTensor."""
+    tensor shaped like its parameter's shard wrapped back as that parameter's DTensor (as
+    ``step_on_local_shards`` does after a local step)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    out = dict(state)
-    out["state"] = {}
-    for index, entry in state["state"].items():
-        p = params[int(index)]
-        new = {}
-        for k, v in entry.items():
-            if (
-                isinstance(p, DTensor)
-                and isinstance(v, torch.Tensor)
-                and v.dim() > 0
-                and v.shape == p._local_tensor.shape
-            ):
-                v = DTensor.from_local(
-                    v,
-                    p.device_mesh,
-                    p.placements,
-                    run_check=False,
-                    shape=p.shape,
-                    stride=p.stride(),
-                )
-            new[k] = v
-        out["state"][index] = new
-    return out
+    state = dict(state)
+    state["state"] = {
+        index: {
+            k: _sharded_like(p, p._local_tensor, v, None) if isinstance(p, DTensor) else v
+            for k, v in entry.items()
+        }
+        for index, entry in state["state"].items()
+        for p in [params[int(index)]]
+    }
+    return state
