@@ -8,6 +8,7 @@ at the last step of each (they must agree).
 
     python benchmarks/compare.py --world-size 2 --dtype fp32 --reshard true
     python benchmarks/compare.py --float8 --impls fsdp2,torch_fsdp2   # torchao float8
+    python benchmarks/compare.py --impls fsdp2_replicate,ddp,torch_replicate,fsdp2
 
 ``--float8`` converts every linear layer but the output head with torchao's float8
 training and float8 all-gather (``enable_fsdp_float8_all_gather=True``), and calls
@@ -55,6 +56,7 @@ from fsdp2._core.observe import HUB, Collective, Observer  # noqa: E402
 from fsdp2.models import Llama, LlamaConfig, TransformerBlock  # noqa: E402
 
 IMPLS = ("fsdp2", "torch_fsdp2", "torch_fsdp1", "ddp", "single")
+# also available: fsdp2_replicate / torch_replicate (``replicate`` on every block and the root)
 
 
 class _AllGathers(Observer):
@@ -173,6 +175,22 @@ def wrap(impl: str, model: nn.Module, mesh, args) -> nn.Module:  # type: ignore[
         for block in model.layers:
             fully_shard(block, mesh=mesh, reshard_after_forward=args.reshard, **kw)
         fully_shard(model, mesh=mesh, **kw)
+        return model
+    if impl in ("fsdp2_replicate", "torch_replicate"):  # DDP's communication, FSDP2's API
+        if impl == "fsdp2_replicate":
+            import fsdp2 as api
+
+            replicate = api.replicate
+        else:
+            import torch.distributed.fsdp as api
+            from torch.distributed._composable.replicate_with_fsdp import replicate
+        mp_policy = api.MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if bf16 else None,
+            reduce_dtype=torch.float32 if bf16 else None,
+        )
+        for block in model.layers:
+            replicate(block, mesh=mesh, mp_policy=mp_policy)
+        replicate(model, mesh=mesh, mp_policy=mp_policy)
         return model
     if impl == "torch_fsdp1":
         from torch.distributed.fsdp import (

@@ -8,6 +8,7 @@ fsdp2 (the ``fsdp2`` package under DIR, e.g. a ``git worktree`` of an older
 commit) as a third implementation, to measure a change A/B in one run.
 
     python benchmarks/overhead.py --layers 64 --world-size 2
+    python benchmarks/overhead.py --replicate-below 4096 --replicate   # Replicate() small params
     git worktree add /tmp/before HEAD~1
     python benchmarks/overhead.py --baseline /tmp/before
 """
@@ -35,7 +36,30 @@ def build(layers: int, dim: int) -> nn.Module:
     return nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), nn.ReLU()) for _ in range(layers)])
 
 
-def shard_with(impl: str, model: nn.Module, mesh, bucket_bytes: int | None = None) -> float:
+def shard_with(
+    impl: str, model: nn.Module, mesh, bucket_bytes: int | None = None, below: int = 0
+) -> float:
+    if impl in ("fsdp2_small", "fsdp2_replicate"):
+        from torch.distributed.tensor import Replicate
+
+        import fsdp2
+
+        t0 = time.perf_counter()
+        if impl == "fsdp2_replicate":
+            for block in model:
+                fsdp2.replicate(block, mesh=mesh)
+            fsdp2.replicate(model, mesh=mesh)
+        else:  # parameters under ``below`` elements replicated, the rest sharded
+
+            def small(p: nn.Parameter) -> Replicate | None:
+                return Replicate() if p.numel() < below else None
+
+            for block in model:
+                fsdp2.fully_shard(block, mesh=mesh, shard_placement_fn=small)
+            fsdp2.fully_shard(model, mesh=mesh, shard_placement_fn=small)
+        if bucket_bytes is not None:
+            model.set_bucket_bytes(bucket_bytes)  # type: ignore[operator]
+        return time.perf_counter() - t0
     if impl == "fsdp2":
         from fsdp2 import fully_shard
     elif impl == "baseline":
@@ -57,13 +81,17 @@ def worker(rank: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (args.world_size,))
     impls = ["fsdp2", "torch"]
+    if args.replicate_below:
+        impls.append("fsdp2_small")
+    if args.replicate:
+        impls.append("fsdp2_replicate")
     if args.baseline:
         load_baseline(args.baseline)
         impls.append("baseline")
     models, opts, inits = {}, {}, {i: [] for i in impls}
     for impl in impls:
         m = build(args.layers, args.dim)
-        inits[impl].append(shard_with(impl, m, mesh, args.bucket_bytes))
+        inits[impl].append(shard_with(impl, m, mesh, args.bucket_bytes, args.replicate_below))
         models[impl] = m
         opts[impl] = torch.optim.SGD(m.parameters(), lr=1e-3)
     times: dict[str, list[float]] = {i: [] for i in impls}
@@ -81,7 +109,8 @@ def worker(rank: int, args: argparse.Namespace) -> None:
                 times[impl].append(dt)
     for _ in range(2):  # more init samples
         for impl in impls:
-            inits[impl].append(shard_with(impl, build(args.layers, args.dim), mesh))
+            m = build(args.layers, args.dim)
+            inits[impl].append(shard_with(impl, m, mesh, below=args.replicate_below))
     if rank == 0:
         med = {i: statistics.median(times[i]) for i in impls}
         ini = {i: statistics.median(inits[i]) for i in impls}
@@ -99,6 +128,13 @@ def worker(rank: int, args: argparse.Namespace) -> None:
                 f"ratio fsdp2/baseline: step {med['fsdp2'] / med['baseline']:.2f}x, "
                 f"init {ini['fsdp2'] / ini['baseline']:.2f}x"
             )
+        for other in ("fsdp2_small", "fsdp2_replicate"):
+            if other in impls:
+                ratios = sorted(a / b for a, b in zip(times[other], times["fsdp2"], strict=True))
+                print(
+                    f"ratio {other}/fsdp2: step {med[other] / med['fsdp2']:.2f}x "
+                    f"(per-step {ratios[0]:.2f}-{ratios[-1]:.2f})"
+                )
     dist.destroy_process_group()
 
 
@@ -112,6 +148,14 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=29533)
     ap.add_argument("--bucket-bytes", type=int, help="fsdp2: set_bucket_bytes(N) on the root")
     ap.add_argument("--baseline", help="a directory holding another fsdp2 package to compare")
+    ap.add_argument(
+        "--replicate-below",
+        type=int,
+        default=0,
+        help="adds fsdp2_small: parameters under N elements placed Replicate() by "
+        "shard_placement_fn, the rest sharded",
+    )
+    ap.add_argument("--replicate", action="store_true", help="adds fsdp2_replicate: replicate()")
     args = ap.parse_args()
     mp.spawn(worker, args=(args,), nprocs=args.world_size)
 

@@ -27,6 +27,7 @@ import argparse
 import os
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -93,7 +94,8 @@ class _Live(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        # storage -> (its weak reference, the tensor that made it (weakly), bytes counted)
+        self.live: dict[int, tuple[StorageWeakRef, weakref.ref[torch.Tensor], int]] = {}
         self.now = self.peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -104,12 +106,18 @@ class _Live(TorchDispatchMode):
                 if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
                     s = t.untyped_storage()
                     if s._cdata not in self.live:
-                        self.live[s._cdata] = (StorageWeakRef(s), s.nbytes())
+                        self.live[s._cdata] = (StorageWeakRef(s), weakref.ref(t), s.nbytes())
                         self.now += s.nbytes()
-        for key, (ref, n) in list(self.live.items()):
+        for key, (ref, maker, n) in list(self.live.items()):
             if ref.expired():
                 del self.live[key]
                 self.now -= n
+                continue
+            t = maker()  # a storage freed in place (resized to 0 bytes) counts as freed
+            if t is not None and t.untyped_storage().nbytes() != n:
+                m = t.untyped_storage().nbytes()
+                self.live[key] = (ref, maker, m)
+                self.now += m - n
         self.peak = max(self.peak, self.now)
         return out
 

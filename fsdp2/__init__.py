@@ -17,6 +17,7 @@ from fsdp2.api import (
     ShardPlacementResult,
 )
 from fsdp2.clip import clip_grad_norm_
+from fsdp2._core.replicate import ReplicateModule, replicate
 from fsdp2._core.sharding import (
     FSDPModule,
     UnshardHandle,
@@ -67,6 +68,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "ReduceScatter",
+    "ReplicateModule",
     "ShardPlacementResult",
     "Timeline",
     "UnshardHandle",
@@ -77,6 +79,7 @@ __all__ = [
     "is_debug",
     "optim",
     "register_fsdp_forward_method",
+    "replicate",
     "set_debug",
     "share_comm_ctx",
     "timeline",

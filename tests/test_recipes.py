@@ -1,4 +1,4 @@
-"""The recipes of docs/recipes.md and docs/rl_weight_sync.md run exactly as the pages show them.
+"""The recipes of docs/recipes.md, rl_weight_sync.md and replicate.md run exactly as shown.
 
 Every command in the pages' ``sh`` blocks is run as written (``torchrun`` and ``accelerate``
 are the venv's), in a fresh directory holding a link to ``examples/``, on 2 CPU ranks: each
@@ -27,7 +27,11 @@ pytest.importorskip("peft", reason="peft is a test extra")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(ROOT, "docs", "recipes.md")
-PAGES = (PAGE, os.path.join(ROOT, "docs", "rl_weight_sync.md"))
+PAGES = (
+    PAGE,
+    os.path.join(ROOT, "docs", "rl_weight_sync.md"),
+    os.path.join(ROOT, "docs", "replicate.md"),
+)
 BIN = os.path.dirname(sys.executable)
 TIMEOUT_S = 300
 
@@ -38,6 +42,7 @@ DONE = {
     "examples/accelerate_train.py": "from_pretrained gives the trained weights",
     "examples/hf_trainer.py": "from_pretrained loads",
     "examples/rl_weight_sync.py": "the engine's generations match",
+    "examples/replicate_mixed.py": "sharded and replicated modules trained like DDP",
 }
 
 

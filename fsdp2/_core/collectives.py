@@ -145,6 +145,8 @@ def reduce_scatter(
         grads.clear()  # the caller's list too: the gradients may go before the issue
         if pre is not None:
             packed.div_(pre)
+    if world == 1:  # one shard rank (replicate): the packed gradients are the result
+        return Pending(packed.view(-1), None)
     with label("reduce_scatter issue", what):
         return _reduce_scatter_packed(packed, group, op, comm, on_gloo, pair)
 

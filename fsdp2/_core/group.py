@@ -159,6 +159,9 @@ class ParamGroup(GroupLayout):
         Returns at once; ``wait_for_unshard`` makes the params usable."""
         if self.sharded_state is Sharded.UNSHARDED or self._pending_ag is not None:
             return
+        if self.aliased:  # the unsharded parameters view the sharded buffer: nothing to do
+            self._pending_ag = _ALIASED
+            return
         if self.sharded_state is Sharded.SMALL:
             small = self.small
             assert small is not None
@@ -215,7 +218,9 @@ class ParamGroup(GroupLayout):
         """Whether the group is unsharded with values older than its sharded parameters
         (an optimizer step since its all-gather: [Note: stale unsharded])."""
         return (
-            self.sharded_state is Sharded.UNSHARDED and self._sharded_version() != self._gathered_at
+            self.sharded_state is Sharded.UNSHARDED
+            and not self.aliased  # views of the sharded values: never stale
+            and self._sharded_version() != self._gathered_at
         )
 
     def needs_gather(self) -> bool:
@@ -230,6 +235,7 @@ class ParamGroup(GroupLayout):
             g.bucket_bytes is None
             or g.comm is not None
             or self.ext_params
+            or self.aliased
             or self.sharded_state is not Sharded.SHARDED
         ):
             return None
@@ -257,6 +263,10 @@ class ParamGroup(GroupLayout):
             self.unshard()
         pending, self._pending_ag = self._pending_ag, None
         assert pending is not None
+        if pending is _ALIASED:
+            self.sharded_state = Sharded.UNSHARDED
+            self.register_unsharded()
+            return
         if isinstance(pending, Received):  # landed in the buffers (allocated at issue)
             with label("all_gather wait", self.path):
                 pending.wait_works()
@@ -358,7 +368,7 @@ class ParamGroup(GroupLayout):
         It is registered sharded until the group reshards, or gathered again if a module
         owning it runs forward meanwhile (an activation-checkpoint recompute): see
         [Note: release]."""
-        if self.ext_params or self.sharded_state is not Sharded.UNSHARDED:
+        if self.ext_params or self.aliased or self.sharded_state is not Sharded.UNSHARDED:
             return
         if not self.gather.reshard_after_backward or self.released:
             return
@@ -423,6 +433,10 @@ class ParamGroup(GroupLayout):
         for p in self.grad_params:
             if p.unsharded is not None:
                 p.unsharded.grad = None
+
+
+# an aliased group's "all-gather" (see ``unshard``): nothing to wait for
+_ALIASED = Pending(torch.empty(0), None)
 
 
 def _restore_hook(group: ParamGroup, idx: list[int]) -> Callable[..., None]:

@@ -196,7 +196,24 @@ class GroupLayout:
         # what holds each buffer now (ours only; measured once the builder's locals are gone)
         self._holders = [holders(b) for b in self.unsharded_bufs]
 
+    def _aliasable(self, device: torch.device) -> bool:
+        """Whether the unsharded parameters can be views of the flat sharded buffer: one
+        shard rank (each parameter whole in it, unpadded), no cast (mixed precision), no
+        move (CPU offload), no extension parameters (see [Note: replicated groups] in
+        mesh.py)."""
+        flat = self.sharded_flat
+        return (
+            self.world == 1
+            and not self.ext_params
+            and flat.dtype == self.param_dtype
+            and flat.device == device
+        )
+
     def _build_unsharded(self, device: torch.device) -> None:
+        self.aliased = self._aliasable(device)
+        if self.aliased:
+            self._build_aliased()
+            return
         w = self.world
         bufs = [
             torch.empty(w * p.padded_numel, dtype=self.param_dtype, device=device)
@@ -239,6 +256,35 @@ class GroupLayout:
                     torch.utils.swap_tensors(old, new)
         for b in bufs:
             _free(b, self.path)
+
+    def _build_aliased(self) -> None:
+        """Unsharded parameters that view the flat sharded buffer (same objects every time):
+        nothing to allocate, copy or free. Each is a new ``nn.Parameter`` over the view
+        swapped into the old object, so it shares the buffer's version counter: an in-place
+        write to the sharded parameters (an optimizer step) between a forward and its
+        backward fails in backward as it would on the plain module, never silently."""
+        self.unsharded_bufs = []
+        self.split_sizes = [p.padded_numel for p in self.flat_params]
+        self.copy_dsts = []
+        self.row_dsts = []
+        self._dim_copies = []
+        flat = self.sharded_flat
+        for p in self.flat_params:
+            numel = 1 if p.is_scalar else p.shape.numel()
+            view = flat.detach().narrow(0, p.offset, numel).view(p.shape)
+            old = p.unsharded
+            if p.tp is not None:
+                new = nn.Parameter(p.wrap_unsharded(view), p.requires_grad)
+                p.unsharded = new if old is None else _swap(old, new)
+                continue
+            assert old is not None  # plain flat parameters always have one
+            new = nn.Parameter(view, old.requires_grad)
+            _forget_fake(old, new)
+            try:
+                torch.utils.swap_tensors(old, new)
+            except RuntimeError:  # e.g. a gradient accumulator holds it: keep its identity
+                with torch.no_grad():
+                    old.data = view
 
     def relayout(self, dtype: torch.dtype, device: torch.device) -> None:
         """Lay the flat parameters out again in a new flat buffer of ``dtype`` on

@@ -32,10 +32,15 @@ class MeshInfo:
     replicate_group: dist.ProcessGroup | None
     replicate_size: int
     spmd: SPMDMesh | None = None  # set by fully_shard(..., dp_mesh_dims=...)
+    # replicate(), or Replicate() from shard_placement_fn: whole parameters on every rank
+    # of ``mesh``, which all replicate (see [Note: replicated groups])
+    replicated: bool = False
 
     def placements(self, shard_dim: int | None) -> tuple[Placement, ...]:
         """DTensor placements of a parameter sharded on ``shard_dim`` (``None``:
         replicated, used for 0-dim parameters)."""
+        if self.replicated:
+            return (Replicate(),) * self.mesh.ndim
         inner: Placement = Replicate() if shard_dim is None else Shard(shard_dim)
         return (inner,) if self.replicate_group is None else (Replicate(), inner)
 
@@ -96,6 +101,53 @@ def mesh_info(mesh: DeviceMesh) -> MeshInfo:
         replicate_group=replicate,
         replicate_size=mesh.size(0) if mesh.ndim == 2 else 1,
     )
+
+
+# [Note: replicated groups]
+# ``replicate(module, mesh=mesh)`` and a ``Replicate()`` returned by ``shard_placement_fn``
+# make a group whose parameters are whole on every rank: DTensors with ``Replicate()`` on
+# every dim of ``mesh``. The engine runs it as HSDP with a shard dim of one rank
+# (``shard_size`` 1): the "all-gather" is no collective, the gradients are packed and
+# all-reduced over ``replicate_group`` (every rank of ``mesh``; the dims flattened into one
+# group for a 2D mesh), as DDP does. With one shard rank the flat sharded buffer holds each
+# parameter whole, so the unsharded parameters are views of it (``GroupLayout.aliased``):
+# no copy, no second copy of the weights, unless mixed precision or CPU offload needs one.
+# The shard group is a process group of this rank alone, created without a collective.
+
+
+def replicate_mesh_info(mesh: DeviceMesh, what: str = "replicate") -> MeshInfo:
+    """Describe a replicated group on ``mesh`` (see [Note: replicated groups])."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{what} expects mesh to be a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim == 1:
+        group = mesh.get_group(0)
+    else:
+        names = mesh.mesh_dim_names
+        if names is None:
+            raise ValueError(
+                f"{what} got a {mesh.ndim}D mesh of shape {tuple(mesh.shape)} without "
+                "mesh_dim_names; name its dims (init_device_mesh(..., mesh_dim_names=...))"
+            )
+        group = mesh._flatten("_".join(names)).get_group(0)
+    return MeshInfo(
+        mesh=mesh,
+        device=device_of(mesh),
+        shard_group=self_group(mesh),
+        shard_size=1,
+        shard_rank=0,
+        replicate_group=group,
+        replicate_size=mesh.size(),
+        replicated=True,
+    )
+
+
+def self_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """A process group of this rank alone (the shard group of a replicated group), made
+    without a collective and cached on ``mesh``."""
+    cache = mesh_cache(mesh)
+    if cache.self_group is None:
+        cache.self_group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    return cache.self_group
 
 
 # [Note: unnamed 2D meshes]
@@ -305,6 +357,7 @@ class MeshCache:
         default_factory=dict
     )
     separate_group: dist.ProcessGroup | None = None
+    self_group: dist.ProcessGroup | None = None
     placeholders: dict[tuple[torch.dtype, torch.device], torch.Tensor] = field(default_factory=dict)
 
     def placeholder(self, like: torch.Tensor) -> torch.Tensor:

@@ -63,7 +63,7 @@ class FSDPModule:
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Constructing an FSDP class (e.g. nn.Sequential slicing builds
         # ``type(self)(...)``) builds the plain original class instead.
-        orig: Any = cls.__mro__[2]
+        orig: Any = next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
         self = orig.__new__(orig)
         self.__init__(*args, **kwargs)
         return self

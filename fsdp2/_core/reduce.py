@@ -91,8 +91,11 @@ class Reduction:
         g = self.group
         scatter = self.stage is ReduceStage.REDUCE_SCATTER
         kind = "reduce_scatter wait" if scatter else "all_reduce wait"
-        with label(kind, lambda: _paths(self.parts)):
+        if scatter and g.world == 1:  # no collective (one shard rank): nothing to wait for
             output = self.pending.wait()
+        else:
+            with label(kind, lambda: _paths(self.parts)):
+                output = self.pending.wait()
         replicate = g.info.replicate_group
         if self.stage is ReduceStage.REDUCE_SCATTER and replicate is not None:
             if not g.reduce.all_reduce:  # never bucketed (see bucket_key)

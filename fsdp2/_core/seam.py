@@ -38,6 +38,7 @@ from fsdp2._core.mesh import comm_device_type
 from fsdp2._core.slot import Slot
 from fsdp2._core.state import FSDPState, state_of
 from fsdp2._core.step import StepPhase
+from fsdp2._core.storage import free_storage
 from fsdp2._core.transport import copy_out
 from fsdp2.api import MixedPrecisionPolicy, OffloadPolicy
 
@@ -105,7 +106,11 @@ def gather_pieces(
     rows ``make_rows()`` returned (``rows[r][i]``: a ``(sizes[i],)`` tensor) hold group rank
     ``r``'s piece ``i``. On gloo exchange the peers' pieces are received straight into the
     rows, made at the issue; otherwise they are copied out of the rank-major result, and
-    made at the wait (so they and that result are not alive before they must be)."""
+    made at the wait (so they and that result are not alive before they must be).
+
+    ``packed`` is consumed: once waited, its storage (and the rank-major result's) is freed
+    at once, not when gloo's worker thread drops its reference to a finished send or
+    receive, which it may do a moment later (under load, one more bucket alive)."""
     rows: list[list[torch.Tensor]] = []
     into = Into(sizes, rows, lambda: rows.extend(make_rows()))
     (result,) = all_gather([packed], group, world, what, into=into)
@@ -113,11 +118,15 @@ def gather_pieces(
     def wait() -> None:
         if isinstance(result, Received):
             result.wait()
+            free_storage(packed, what)
             return
         output = result.wait_rows()
         rows.extend(make_rows())
         for r, row in enumerate(output):
             copy_out(row, sizes, rows[r])
+        del output
+        free_storage(result.output, what)  # (with one rank: a view of packed)
+        free_storage(packed, what)
 
     return wait
 

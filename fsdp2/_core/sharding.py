@@ -9,10 +9,8 @@ from collections.abc import Callable, Iterable
 from typing import Any, overload
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
 
 from fsdp2._core.clean_exit import install_exit_drain
 from fsdp2._core.group import ParamGroup
@@ -25,6 +23,7 @@ from fsdp2._core.module import (
     share_comm_ctx,
 )
 from fsdp2._core.param import FSDPParam
+from fsdp2._core.placement import mesh_tag, place
 from fsdp2._core.state import FSDPState, state_of
 from fsdp2._core.state_dict import register_load_reshard, register_state_dict_hooks
 from fsdp2._core.unsharded import install_optimizer_check
@@ -32,7 +31,6 @@ from fsdp2.api import (
     DataParallelMeshDims,
     MixedPrecisionPolicy,
     OffloadPolicy,
-    ShardPlacementResult,
     as_mixed_precision_policy,
     as_offload_policy,
 )
@@ -148,7 +146,7 @@ def fully_shard(
         TypeError / ValueError: for bad arguments, modules already sharded,
             parameters shared with another group, mixed parameter dtypes.
     """
-    modules = _check_modules(module)
+    modules = check_modules(module)
     if dp_mesh_dims is not None:
         if mesh is None:
             raise ValueError(
@@ -158,6 +156,36 @@ def fully_shard(
         info = spmd_mesh_info(mesh, dp_mesh_dims)
     else:
         info = mesh_info(default_mesh() if mesh is None else mesh)
+    shard_modules(
+        modules,
+        info,
+        mesh=mesh,
+        dp_mesh_dims=dp_mesh_dims,
+        reshard_after_forward=reshard_after_forward,
+        shard_placement_fn=shard_placement_fn,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        ignored_params=ignored_params,
+        make_class=_fsdp_class,
+    )
+    return module
+
+
+def shard_modules(
+    modules: list[nn.Module],
+    info: MeshInfo,
+    *,
+    mesh: DeviceMesh | None,
+    dp_mesh_dims: DataParallelMeshDims | None,
+    reshard_after_forward: bool | int | None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+    ignored_params: set[nn.Parameter] | None,
+    make_class: Callable[[type], type],
+) -> None:
+    """What ``fully_shard`` and ``replicate`` share once the mesh is known: the groups,
+    the state, the hooks and the class swap (``make_class`` of each module's class)."""
     post_forward = normalize_reshard_after_forward(reshard_after_forward, info.shard_size)
     mp_policy = as_mixed_precision_policy(mp_policy)  # torch's policies too, read by field
     offload_policy = as_offload_policy(offload_policy)
@@ -168,11 +196,11 @@ def fully_shard(
     ignored = _check_ignored(ignored_params)
     name = _group_name(modules)
     found = _collect_params(modules, ignored, name)
-    placed = _place(found, info, mesh, dp_mesh_dims, name, shard_placement_fn)
+    placed = place(found, info, mesh, dp_mesh_dims, name, shard_placement_fn)
     layouts = list(placed.values())
-    sizes = {g.shard_size for g, _ in layouts if g is not info}
-    for size in sizes:  # a per-parameter mesh: validate against its own shard size
-        _post_forward_quietly(reshard_after_forward, size, name)
+    for g, _ in layouts:  # a per-parameter mesh: validate against its own shard size
+        if g is not info:
+            _other_post_forward(reshard_after_forward, g, name)
     if len({g.device for g, _ in layouts} | {info.device}) > 1:
         devices = ", ".join(sorted({str(g.device) for g, _ in layouts} | {str(info.device)}))
         raise ValueError(
@@ -181,7 +209,7 @@ def fully_shard(
         )
     groups: list[ParamGroup] = []
     for group_info, entries in layouts:
-        tag = _mesh_tag(group_info) if len(layouts) > 1 else ""
+        tag = mesh_tag(group_info) if len(layouts) > 1 else ""
         params = [FSDPParam(fqn, owners, p, group_info, dim) for fqn, p, owners, dim in entries]
         originals = [p.sharded for p in params]
         group = ParamGroup(
@@ -191,7 +219,7 @@ def fully_shard(
             offload_policy=offload_policy,
             reshard_after_forward=post_forward
             if group_info is info
-            else _post_forward_quietly(reshard_after_forward, group_info.shard_size, name),
+            else _other_post_forward(reshard_after_forward, group_info, name),
             name=name + tag,
             mesh_tag=tag,
         )
@@ -207,8 +235,7 @@ def fully_shard(
     install_optimizer_check()  # see [Note: optimizers holding unsharded parameters]
     install_exit_drain()  # see [Note: clean exit]
     for m in modules:
-        m.__class__ = _fsdp_class(type(m))
-    return module
+        m.__class__ = make_class(type(m))
 
 
 def normalize_reshard_after_forward(value: object, shard_size: int) -> bool | int:
@@ -233,6 +260,14 @@ def normalize_reshard_after_forward(value: object, shard_size: int) -> bool | in
     return True if value == shard_size else value
 
 
+def _other_post_forward(value: object, info: MeshInfo, name: str) -> bool | int:
+    """``reshard_after_forward`` for a group on another mesh than the call's: as given,
+    except that a replicated group (one shard rank) takes an int as ``True``."""
+    if info.shard_size == 1 and isinstance(value, int) and not isinstance(value, bool):
+        return True
+    return _post_forward_quietly(value, info.shard_size, name)
+
+
 def _post_forward_quietly(value: object, shard_size: int, name: str) -> bool | int:
     """``normalize_reshard_after_forward`` for one of a call's other meshes: warned once
     already, and errors name the call."""
@@ -247,27 +282,38 @@ def _post_forward_quietly(value: object, shard_size: int, name: str) -> bool | i
             ) from None
 
 
-def _check_modules(module: object) -> list[nn.Module]:
+def check_modules(module: object, what: str = "fully_shard") -> list[nn.Module]:
+    """The modules of a ``fully_shard`` / ``replicate`` call, checked (``what`` names the
+    call in errors)."""
     items: list[object] = list(module) if isinstance(module, (list, tuple)) else [module]
     if not items:
-        raise ValueError("fully_shard got an empty list of modules")
+        raise ValueError(f"{what} got an empty list of modules")
     modules: list[nn.Module] = []
     for m in items:
         if not isinstance(m, nn.Module):
             raise TypeError(
-                f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}"
+                f"{what} expects an nn.Module or a list of them, got {type(m).__name__}"
             )
         if type(m).forward is nn.Module.forward:
+            verb = "shard" if what == "fully_shard" else "replicate"
             raise ValueError(
-                f"fully_shard cannot shard {type(m).__name__}: it has no forward, so its "
-                "parameters would never be all-gathered. Shard its children instead, e.g. "
-                "`for block in model.layers: fully_shard(block)`"
+                f"{what} cannot {verb} {type(m).__name__}: it has no forward, so fsdp2 would "
+                "never see its parameters used. Apply it to its children instead, e.g. "
+                f"`for block in model.layers: {what}(block)`"
             )
         if state_of(m) is not None:
-            raise ValueError(f"{type(m).__name__} is already sharded by fully_shard")
+            done = (
+                "replicated by replicate"
+                if type(m).__name__.startswith("Replicate")
+                else "sharded by fully_shard"
+            )
+            raise ValueError(
+                f"{type(m).__name__} is already {done}; {what} applies once per module (a "
+                "module is either sharded or replicated)"
+            )
         modules.append(m)
     if len({id(m) for m in modules}) != len(modules):
-        raise ValueError("fully_shard got the same module twice in its list")
+        raise ValueError(f"{what} got the same module twice in its list")
     return modules
 
 
@@ -329,151 +375,6 @@ def _collect_params(
                 )
             by_id[id(p)] = (fqn, p, [(m, pname)])
     return list(by_id.values())
-
-
-# [Note: per-parameter meshes]
-# ``shard_placement_fn(param)`` may return a ``ShardPlacementResult`` (ours, or torch's,
-# read by attribute) naming the mesh a parameter shards over. The call's parameters are
-# then grouped by ``(shard process group, replicate process group)``, in the order they
-# were found, and each group becomes a ``ParamGroup`` of its own with its own collectives
-# (the state's ``Slot`` holds them all; see [Note: several groups] in step.py). A mesh is
-# known by its object (with its ``dp_mesh_dims``): two mesh objects over the same process
-# groups are an error (which one's placements would the group's DTensors carry?), as in
-# torch. The call's own mesh is one of them, for parameters the function returns ``None``
-# or a ``Shard`` for.
-
-_Entry = tuple[str, nn.Parameter, list[tuple[nn.Module, str]], int]
-
-
-def _place(
-    found: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
-    info: MeshInfo,
-    mesh: DeviceMesh | None,
-    dims: DataParallelMeshDims | None,
-    name: str,
-    fn: Callable[[nn.Parameter], Any] | None,
-) -> dict[tuple[Any, ...], tuple[MeshInfo, list[_Entry]]]:
-    """Each parameter's shard dim and mesh, grouped by process groups (see
-    [Note: per-parameter meshes]). Raises before any collective."""
-    if fn is None:  # every parameter on the call's mesh, dim 0
-        entries = [(fqn, p, owners, 0) for fqn, p, owners in found]
-        return {(info.shard_group, info.replicate_group): (info, entries)} if entries else {}
-    infos: dict[tuple[int, Any], MeshInfo] = {}
-    if mesh is not None:
-        infos[(id(mesh), _dims_key(dims))] = info
-    by_pgs: dict[tuple[Any, ...], tuple[MeshInfo, list[_Entry]]] = {}
-    for fqn, p, owners in found:
-        result = fn(p) if fn is not None else None
-        placement, p_info = result, info
-        if result is not None and not isinstance(result, Shard):
-            placement, p_mesh, p_dims = _result_fields(result, fqn, name)
-            key = (id(p_mesh), _dims_key(p_dims))
-            known = infos.get(key)
-            if known is None:
-                known = infos[key] = _mesh_info_of(p_mesh, p_dims, fqn, name)
-            p_info = known
-        dim = _shard_dim(placement, p, fqn, p_info, name)
-        pgs = (p_info.shard_group, p_info.replicate_group)
-        entry = by_pgs.get(pgs)
-        if entry is None:
-            by_pgs[pgs] = (p_info, [(fqn, p, owners, dim)])
-        elif entry[0] is not p_info:
-            raise ValueError(
-                f"fully_shard({name}): {fqn} shards over mesh {p_info.mesh}, a different mesh "
-                f"object than {entry[0].mesh} over the same process groups (used by "
-                f"{entry[1][0][0]}); return the same mesh object for every parameter of a "
-                "process group"
-            )
-        else:
-            entry[1].append((fqn, p, owners, dim))
-    return by_pgs
-
-
-def _dims_key(dims: Any) -> tuple[Any, ...] | None:
-    """``dp_mesh_dims`` as a dict key (torch's ``DataParallelMeshDims`` is not hashable)."""
-    if dims is None:
-        return None
-    return (getattr(dims, "shard", None), getattr(dims, "replicate", None))
-
-
-def _result_fields(result: object, fqn: str, name: str) -> tuple[Any, DeviceMesh, Any]:
-    """``(placement, mesh, dp_mesh_dims)`` of a ``ShardPlacementResult``: ours, or torch's
-    (``placement`` and ``mesh_info``: its ``mesh``, or with ``dp_mesh_dims`` its
-    ``spmd_mesh``)."""
-    if isinstance(result, ShardPlacementResult):
-        return result.placement, result.mesh, result.dp_mesh_dims
-    mi = getattr(result, "mesh_info", None)
-    if mi is None or not hasattr(result, "placement"):
-        raise TypeError(
-            f"fully_shard({name}): shard_placement_fn returned {result!r} for {fqn}; "
-            "return None, a Shard(dim) or a fsdp2.ShardPlacementResult(placement, mesh)"
-        )
-    dims = getattr(mi, "dp_mesh_dims", None)
-    if dims is not None:
-        return result.placement, mi.spmd_mesh, dims
-    p_mesh = mi.mesh
-    shard, rep = getattr(mi, "shard_mesh_dim", None), getattr(mi, "replicate_mesh_dim", None)
-    expected = (0, None) if p_mesh.ndim == 1 else (1, 0)
-    if (shard, rep) != expected:
-        raise ValueError(
-            f"fully_shard({name}): shard_placement_fn returned a mesh info with "
-            f"shard_mesh_dim={shard}, replicate_mesh_dim={rep} on a {p_mesh.ndim}D mesh for "
-            f"{fqn}; fsdp2 shards over the last dim and replicates over dim 0 of a 2D mesh "
-            "(FSDPMeshInfo(mesh, shard_mesh_dim=0) on a 1D mesh, HSDPMeshInfo(mesh, "
-            "shard_mesh_dim=1, replicate_mesh_dim=0) on a 2D one)"
-        )
-    return result.placement, p_mesh, None
-
-
-def _mesh_info_of(mesh: object, dims: Any, fqn: str, name: str) -> MeshInfo:
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(
-            f"fully_shard({name}): the ShardPlacementResult for {fqn} names "
-            f"{type(mesh).__name__} as its mesh; pass a DeviceMesh"
-        )
-    if mesh.get_coordinate() is None:
-        raise ValueError(
-            f"fully_shard({name}): {fqn} shards over mesh {mesh}, which does not include "
-            f"this rank ({dist.get_rank()}); every rank must name a mesh it belongs to "
-            "(e.g. its row of the expert mesh)"
-        )
-    if dims is not None:
-        return spmd_mesh_info(mesh, dims)
-    return mesh_info(mesh)
-
-
-def _mesh_tag(info: MeshInfo) -> str:
-    """How messages and timeline lanes name one of a call's groups: by its mesh dims."""
-    mesh = info.spmd.mesh if info.spmd is not None else info.mesh
-    names = mesh.mesh_dim_names
-    if info.spmd is not None and names is not None:
-        names = tuple(names[i] for i in info.spmd.shard_dims + info.spmd.replicate_dims)
-    if names:
-        return f" (mesh {'/'.join(names)})"
-    return f" (mesh {'x'.join(str(n) for n in mesh.shape)})"
-
-
-def _shard_dim(placement: Any, p: nn.Parameter, fqn: str, info: MeshInfo, name: str) -> int:
-    if placement is None or p.dim() == 0:
-        return 0
-    if not isinstance(placement, Shard):
-        raise TypeError(
-            f"fully_shard({name}): shard_placement_fn returned {placement!r} for {fqn}; "
-            "return a Shard(dim) or None"
-        )
-    d = placement.dim + p.dim() if placement.dim < 0 else placement.dim
-    if not 0 <= d < p.dim():
-        raise ValueError(
-            f"fully_shard({name}): Shard({placement.dim}) is out of range for {fqn} of shape "
-            f"{tuple(p.shape)}"
-        )
-    if d != 0 and p.shape[d] % info.shard_size:
-        raise ValueError(
-            f"fully_shard({name}): {fqn} has size {p.shape[d]} on dim {d}, not divisible by "
-            f"the shard world size {info.shard_size}; sharding on a dim other than 0 must be "
-            "even (shard it on dim 0 instead, or pad the parameter)"
-        )
-    return d
 
 
 def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:

@@ -75,6 +75,7 @@ def install_optimizer_check() -> None:
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if not _GROUPS:
         return
+    _mark_aliased_writes(optimizer)
     found = _unsharded_map()
     for i, pg in enumerate(optimizer.param_groups):
         for j, p in enumerate(pg["params"]):
@@ -95,3 +96,35 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                 "backward or model.reshard(), or from the fully_shard module's "
                 "parameters(). See docs/reliability.md (call orders)"
             )
+
+
+# [Note: steps between forward and backward]
+# A group with one shard rank (``replicate``, world size 1) forwards on views of its sharded
+# storage (``GroupLayout.aliased``). An optimizer step between a forward and its backward then
+# changes the values autograd saved, and the backward would compute gradients from a mix of old
+# and new weights. On a plain module autograd refuses that ("modified by an inplace
+# operation"), because the step bumps the parameters' version counter; a DTensor's in-place
+# op runs on its local tensor below autograd and bumps nothing there. So before a step that
+# will update (has a gradient for) a sharded parameter of an aliased group that is unsharded
+# now (a graph may hold its views), the group's storage gets a version bump: its unsharded
+# parameters share that counter, and the backward fails as on the plain module. A step
+# between steps (the groups are sharded then) or of another model's optimizer bumps nothing.
+
+
+def _mark_aliased_writes(optimizer: torch.optim.Optimizer) -> None:
+    live = [
+        g
+        for g in list(_GROUPS)
+        if getattr(g, "aliased", False) and g.sharded_state.name == "UNSHARDED"
+    ]
+    if not live:
+        return
+    owners = {id(p.sharded): g for g in live for p in g.params}
+    hit: dict[int, Any] = {}
+    for pg in optimizer.param_groups:
+        for p in pg["params"]:
+            g = owners.get(id(p))
+            if g is not None and p.grad is not None:
+                hit[id(g)] = g
+    for g in hit.values():
+        torch.autograd.graph.increment_version(g.sharded_flat)

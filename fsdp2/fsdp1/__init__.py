@@ -22,7 +22,9 @@ parents (post-order), then on the root, so each unit is one parameter group as i
 * ``auto_wrap_policy``: the units are the modules FSDP1 wraps for the same policy. Policy
   objects (anything with FSDP1's ``_run_policy``: ``ModuleWrapPolicy``, ``CustomPolicy``) and
   sets of classes select modules up front; a ``CustomPolicy`` kwargs dict may override
-  ``sharding_strategy`` (same mesh: reshard-after-forward only) and ``mixed_precision``.
+  ``sharding_strategy`` (any strategy: a unit of another kind than the model's gets a mesh of
+  its kind, e.g. ``NO_SHARD`` units replicated inside a ``FULL_SHARD`` model, or
+  ``HYBRID_SHARD`` blocks under a ``FULL_SHARD`` root) and ``mixed_precision``.
   Policy functions ``(module, recurse, nonwrapped_numel)`` (detected by signature, partials
   included) run FSDP1's recursion: ``recurse=True`` asks whether to descend, ``recurse=False``
   whether to wrap, ``nonwrapped_numel`` is the subtree's parameter numel minus what its
@@ -31,8 +33,9 @@ parents (post-order), then on the root, so each unit is one parameter group as i
   everywhere; so does ``shard_model``. A ``module -> bool`` callable is asked once per
   module, children first. ``ignored_modules`` and their subtrees are never selected.
 * ``FULL_SHARD`` / ``SHARD_GRAD_OP``: 1D mesh, ``reshard_after_forward`` ``True`` / ``False``.
-* ``NO_SHARD``: 2D mesh ``(world, 1)`` named ``("replicate", "shard")``: every rank keeps the
-  whole parameters and gradients are all-reduced.
+* ``NO_SHARD``: :func:`fsdp2.replicate` over a 1D mesh of every rank: every rank keeps the
+  whole parameters (``Replicate()`` DTensors, read in place by forward) and gradients are
+  all-reduced, as DDP does.
 * ``HYBRID_SHARD`` / ``_HYBRID_SHARD_ZERO2``: 2D mesh ``(world // ranks_per_node,
   ranks_per_node)``; ranks per node from ``device_mesh`` (2D) or ``LOCAL_WORLD_SIZE``;
   ``reshard_after_forward`` ``True`` / ``False``.
@@ -73,7 +76,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdp2 import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from fsdp2 import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    replicate,
+)
 from fsdp2._core.seam import comm_device_type
 from fsdp2.fsdp1._mixed_precision import (
     LowPrecisionGrads,
@@ -302,7 +312,16 @@ def shard_model(
     }
     targets, recursive = resolve_policy(auto_wrap_policy, model, ignored, root_kwargs)
 
-    mesh = _mesh_for(strategy, device_mesh)
+    meshes = {_mesh_kind(strategy): _mesh_for(strategy, device_mesh)}
+
+    def mesh_of(unit_strategy: ShardingStrategy) -> DeviceMesh:
+        # a unit overriding the strategy with another kind: that kind's default mesh (made
+        # when first needed, in the same order on every rank)
+        kind = _mesh_kind(unit_strategy)
+        if kind not in meshes:
+            meshes[kind] = _mesh_for(unit_strategy, None)
+        return meshes[kind]
+
     offload: OffloadPolicy = OffloadPolicy()
     if cpu_offload is not None and cpu_offload.offload_params:
         offload = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
@@ -320,13 +339,6 @@ def shard_model(
         for key, value in overrides.items():
             if key == "sharding_strategy":
                 unit_strategy = as_enum(ShardingStrategy, value, "sharding_strategy")
-                if _mesh_kind(unit_strategy) != _mesh_kind(strategy):
-                    raise ValueError(
-                        f"shard_model: auto_wrap_policy overrides sharding_strategy of "
-                        f"{type(module).__name__} with {unit_strategy.name}, which needs another "
-                        f"mesh than {strategy.name}; only FULL_SHARD <-> SHARD_GRAD_OP and "
-                        "HYBRID_SHARD <-> _HYBRID_SHARD_ZERO2 can be mixed"
-                    )
             elif key == "mixed_precision":
                 unit_mp = None if value is None else _as_config(MixedPrecision, value, key)
             else:
@@ -348,15 +360,24 @@ def shard_model(
                 reduce_dtype=unit_mp.reduce_dtype,
                 cast_forward_inputs=cast,
             )
-        fully_shard(
-            module,
-            mesh=mesh,
-            reshard_after_forward=unit_strategy
-            in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
-            mp_policy=mp_policy,
-            offload_policy=offload,
-            ignored_params=ignored_params or None,
-        )
+        if unit_strategy is ShardingStrategy.NO_SHARD:
+            replicate(
+                module,
+                mesh=mesh_of(unit_strategy),
+                mp_policy=mp_policy,
+                offload_policy=offload,
+                ignored_params=ignored_params or None,
+            )
+        else:
+            fully_shard(
+                module,
+                mesh=mesh_of(unit_strategy),
+                reshard_after_forward=unit_strategy
+                in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
+                mp_policy=mp_policy,
+                offload_policy=offload,
+                ignored_params=ignored_params or None,
+            )
         if isinstance(module, full_precision_classes):
             cast_outputs_to_input_dtype(module)
         if (
@@ -410,7 +431,8 @@ def _mesh_for(strategy: ShardingStrategy, device_mesh: DeviceMesh | None) -> Dev
                     "shard_model: NO_SHARD with a 2D device_mesh needs a shard dimension of size "
                     f"1, got shape {tuple(device_mesh.shape)}"
                 )
-            return device_mesh
+            # the replicate dim alone: a 1D mesh over the same ranks
+            return DeviceMesh.from_group(device_mesh.get_group(0), device_mesh.device_type)
         if device_mesh.ndim != want:
             raise ValueError(
                 f"shard_model: {strategy.name} needs a {want}D device_mesh, got "
@@ -420,21 +442,13 @@ def _mesh_for(strategy: ShardingStrategy, device_mesh: DeviceMesh | None) -> Dev
             if device_mesh.size() != dist.get_world_size():
                 raise ValueError(
                     "shard_model: NO_SHARD with a 1D device_mesh must span the whole world "
-                    f"({dist.get_world_size()} ranks), got {device_mesh.size()}; pass a 2D "
-                    "(replicate, 1) mesh instead"
+                    f"({dist.get_world_size()} ranks), got {device_mesh.size()}"
                 )
-            return init_device_mesh(
-                device_mesh.device_type,
-                (device_mesh.size(), 1),
-                mesh_dim_names=("replicate", "shard"),
-            )
         return device_mesh
 
     world = dist.get_world_size()
     device_type = comm_device_type()
-    if strategy is ShardingStrategy.NO_SHARD:
-        return init_device_mesh(device_type, (world, 1), mesh_dim_names=("replicate", "shard"))
-    if not hybrid:
+    if not hybrid:  # NO_SHARD too: replicate() over every rank
         return init_device_mesh(device_type, (world,))
     local = os.environ.get("LOCAL_WORLD_SIZE")
     if local is None:

@@ -26,9 +26,11 @@ __all__ = ["is_using_fsdp2", "restore_torch_fsdp", "use_fsdp2", "using_fsdp2"]
 # * ``fully_shard``: fsdp2's, refusing a tree torch's ``fully_shard`` already sharded;
 # * ``register_fsdp_forward_method``: torch's for torch's modules, fsdp2's otherwise (each
 #   engine's silently does nothing for the other's modules);
-# * ``FSDPModule`` and the three policies: classes whose ``isinstance`` / ``issubclass``
-#   accept either engine's class (a framework checks a model it built before the switch, or a
-#   plugin holding torch's policy objects) and whose call builds fsdp2's object. The bridge
+# * ``replicate``: fsdp2's, refusing a tree torch's engine already sharded, like ``fully_shard``;
+# * ``FSDPModule``, ``ReplicateModule`` and the three policies: classes whose ``isinstance``
+#   / ``issubclass`` accept either engine's class (a framework checks a model it built before
+#   the switch, or a plugin holding torch's policy objects) and whose call builds fsdp2's
+#   object. The bridge
 #   ``FSDPModule`` subclasses fsdp2's, so its methods (``unshard``, ``reshard``,
 #   ``set_requires_gradient_sync``) are fsdp2's; torch's modules have the same names.
 # fsdp2's ``fully_shard`` also reads torch's policy objects by field, so a plugin built before
@@ -43,6 +45,8 @@ _NAMES = (
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "replicate",
+    "ReplicateModule",
 )
 # torch's public FSDP2 modules, spelled in parts (fsdp2 names no torch FSDP module literally).
 _TORCH = ".".join(("torch", "distributed"))
@@ -51,6 +55,10 @@ _TORCH_MODULES = (
     f"{_TORCH}._{'composable'}.fsdp",
     f"{_TORCH}._{'composable'}.fsdp.fully_shard",
 )
+# torch's ``replicate`` on the FSDP2 engine, and its module class, live in a module of their own
+# (not the older DDP-based ``replicate`` of ``torch.distributed._composable.replicate``)
+_REPLICATE_MODULE = f"{_TORCH}._{'composable'}.replicate_with_fsdp"
+_REPLICATE_NAMES = ("replicate", "ReplicateModule")
 
 
 class _Either(type):
@@ -105,6 +113,17 @@ def _bridges(torch_objects: dict[str, Any]) -> dict[str, Any]:
             )
         return fsdp2.fully_shard(module, *args, **kwargs)
 
+    @functools.wraps(fsdp2.replicate)
+    def replicate(module: Any, *args: Any, **kwargs: Any) -> Any:
+        done = list(_torch_sharded(module))
+        if done:
+            raise RuntimeError(
+                f"replicate: {done[0]} was sharded by torch's fully_shard or replicate, before "
+                "fsdp2.integrations.use_fsdp2() was called; one model cannot mix the two "
+                "engines. Call use_fsdp2() before the model (or the framework) is sharded"
+            )
+        return fsdp2.replicate(module, *args, **kwargs)
+
     @functools.wraps(fsdp2.register_fsdp_forward_method)
     def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         if isinstance(module, torch_module_cls):
@@ -115,8 +134,15 @@ def _bridges(torch_objects: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "fully_shard": fully_shard,
         "register_fsdp_forward_method": register_fsdp_forward_method,
+        "replicate": replicate,
     }
-    for name in ("FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"):
+    for name in (
+        "FSDPModule",
+        "MixedPrecisionPolicy",
+        "OffloadPolicy",
+        "CPUOffloadPolicy",
+        "ReplicateModule",
+    ):
         out[name] = _bridge_class(getattr(fsdp2, name), torch_objects[name])
     return out
 
@@ -132,7 +158,7 @@ class _Switch:
 
     def torch_modules(self) -> list[ModuleType]:
         mods = []
-        for name in _TORCH_MODULES:
+        for name in (*_TORCH_MODULES, _REPLICATE_MODULE):
             try:
                 mods.append(importlib.import_module(name))
             except ImportError:  # a torch without the private alias
@@ -143,13 +169,17 @@ class _Switch:
         mods = self.torch_modules()
         if not self.bridges:
             public = mods[0]
-            missing = [n for n in _NAMES if not hasattr(public, n)]
+            home = {n: public for n in _NAMES}
+            rep_mod = sys.modules.get(_REPLICATE_MODULE)
+            for n in _REPLICATE_NAMES:
+                home[n] = rep_mod  # type: ignore[assignment]
+            missing = [n for n in _NAMES if not hasattr(home[n], n)]
             if missing:
                 raise RuntimeError(
                     f"fsdp2.integrations.use_fsdp2: torch {public.__name__} lacks {missing}; "
                     "this torch is not one fsdp2 supports"
                 )
-            self.torch_objects = {n: getattr(public, n) for n in _NAMES}
+            self.torch_objects = {n: getattr(home[n], n) for n in _NAMES}
             if any(self.torch_objects[n] is fsdp2_obj for n, fsdp2_obj in self._ours()):
                 raise RuntimeError(
                     "fsdp2.integrations.use_fsdp2: torch's FSDP2 names already point at fsdp2's "
@@ -157,7 +187,7 @@ class _Switch:
                 )
             self.bridges = _bridges(self.torch_objects)
         for mod in mods:  # torch's public modules: every name they hold
-            for name in _NAMES:
+            for name in _names_in(mod.__name__):
                 if name in vars(mod):
                     setattr(mod, name, self.bridges[name])
         self._replace(self.torch_objects, self.bridges)
@@ -165,7 +195,7 @@ class _Switch:
 
     def turn_off(self) -> None:
         for mod in self.torch_modules():
-            for name in _NAMES:
+            for name in _names_in(mod.__name__):
                 if vars(mod).get(name) is self.bridges.get(name):
                     setattr(mod, name, self.torch_objects[name])
         self._replace(self.bridges, self.torch_objects)
@@ -180,14 +210,25 @@ class _Switch:
         """In every loaded module outside torch and fsdp2, a global ``name`` that is
         ``old[name]`` becomes ``new[name]``."""
         for mod_name, mod in list(sys.modules.items()):
-            if mod_name.split(".")[0] in ("torch", "fsdp2") and mod_name not in _TORCH_MODULES:
+            ours = mod_name in _TORCH_MODULES or mod_name == _REPLICATE_MODULE
+            if mod_name.split(".")[0] in ("torch", "fsdp2") and not ours:
                 continue
             d = getattr(mod, "__dict__", None)
             if not isinstance(d, dict):
                 continue
-            for name in _NAMES:
+            for name in _names_in(mod_name):
                 if name in old and d.get(name) is old[name]:
                     d[name] = new[name]
+
+
+def _names_in(mod_name: str) -> tuple[str, ...]:
+    """The names the switch replaces in module ``mod_name``: in torch's replicate module only
+    its own two (its other globals are torch's engine at work), everywhere else all."""
+    if mod_name == _REPLICATE_MODULE:
+        return _REPLICATE_NAMES
+    if mod_name in _TORCH_MODULES:
+        return tuple(n for n in _NAMES if n not in _REPLICATE_NAMES)
+    return _NAMES
 
 
 _SWITCH = _Switch()
@@ -196,8 +237,10 @@ _SWITCH = _Switch()
 def use_fsdp2() -> None:
     """Make code written for torch's FSDP2 use fsdp2: point ``fully_shard``, ``FSDPModule``,
     ``register_fsdp_forward_method``, ``MixedPrecisionPolicy``, ``OffloadPolicy`` and
-    ``CPUOffloadPolicy`` in torch's FSDP modules, and in already-imported modules that
-    copied them (accelerate's, transformers', Lightning's, a training script's), at fsdp2.
+    ``CPUOffloadPolicy`` in torch's FSDP modules, ``replicate`` and ``ReplicateModule`` in
+    ``torch.distributed._composable.replicate_with_fsdp``, and the same names in
+    already-imported modules that copied them (accelerate's, transformers', Lightning's, a
+    training script's), at fsdp2.
 
     Call it once, early: before a framework shards a model (before ``Accelerator.prepare``,
     ``Trainer.train``, ``from_pretrained(..., distributed_config=...)``, ``Fabric.setup``).

@@ -164,10 +164,14 @@ def _memory() -> dict[str, int]:
 
 def test_memory_under_two_buckets() -> None:
     for out in run_on_ranks(2, _memory):
-        # about 280 KiB of fp32 tensors: several buckets, never more than two alive
+        # About 280 KiB of fp32 tensors: several buckets, at most two alive. The meter sees
+        # 1.6 buckets at the peak on an idle machine (one bucket's copy-out); with the CPUs
+        # oversubscribed up to 2.2 (timing-dependent: the next bucket's buffers meet more of
+        # the previous bucket's tensors). Holding a bucket past its last tensor (the bug the
+        # bound is for) measured 2.5.
         assert out["gathers None"] >= 3 and out["gathers torch.bfloat16"] >= 2, out
-        assert 0 < out["peak None"] <= 2 * out["bucket"], out
-        assert 0 < out["peak torch.bfloat16"] <= 2 * out["bucket"], out
+        assert 0 < out["peak None"] < 2.5 * out["bucket"], out
+        assert 0 < out["peak torch.bfloat16"] < 2.5 * out["bucket"], out
 
 
 class _Between(torch.nn.Module):

@@ -26,8 +26,9 @@ PACKAGE = pathlib.Path(fsdp2.__file__).parent
 # fsdp2/_core from top to bottom: a module may import only modules of its own layer or
 # below (within a layer: no cycle, checked by the cycle test).
 LAYERS = [
+    ["replicate"],
     ["sharding", "module", "seam", "state_dict"],
-    ["state", "tree_checks"],
+    ["state", "tree_checks", "placement"],
     ["step", "relayout", "higher_order"],
     ["slot"],
     ["reduce"],

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from _harness import run_on_ranks
 from helpers import check_close
 from models import full_params, mean_over_ranks, rank_slice
+from torch.distributed._composable.replicate_with_fsdp import replicate as torch_replicate
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
@@ -153,8 +154,14 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # Configurations
 
-# name -> (mesh shape, dim names, tp dim, shard names, replicate names, 2D-way dp dims)
+# name -> (mesh shape, dim names, tp dim, shard names, replicate names, 2D-way dp dims[, how]);
+# how: "fully_shard" (default), "replicate" (``replicate(dp_mesh_dims=...)``, torch's
+# ``replicate`` where it takes dp_mesh_dims) or "norms" (``fully_shard`` with the 1-D parameters
+# placed ``Replicate()`` by ``shard_placement_fn``, ahead of torch: against the reference)
 CONFIGS: dict[str, tuple[Any, ...]] = {
+    "replicate_fn_tp": ((2, 2), ("dp", "tp"), "tp", None, "dp", None, "replicate"),
+    "fsdp_tp_norms": ((2, 2), ("dp", "tp"), "tp", "dp", None, None, "norms"),
+    "hsdp_norms": ((2, 2), ("rep", "shard"), None, "shard", "rep", None, "norms"),
     "fsdp_dp_tp": ((2, 2), ("dp", "tp"), "tp", "dp", None, ("dp",)),
     "fsdp_tp_dp": ((2, 2), ("tp", "dp"), "tp", "dp", None, None),
     "hsdp": ((2, 2), ("rep", "shard"), None, "shard", "rep", ("rep", "shard")),
@@ -170,7 +177,8 @@ def _shard(
 ) -> nn.Module:
     for block in model.layers:
         fn(block, mesh=mesh, dp_mesh_dims=dims, **kw)
-    fn(model, mesh=mesh, dp_mesh_dims=dims)
+    root_kw = {"shard_placement_fn": kw["shard_placement_fn"]} if "shard_placement_fn" in kw else {}
+    fn(model, mesh=mesh, dp_mesh_dims=dims, **root_kw)
     return model
 
 
@@ -195,25 +203,36 @@ def _cached_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
 
 
 def _run_config(name: str) -> dict[str, Any]:
-    shape, names, tp_name, shard, rep, two_d = CONFIGS[name]
+    shape, names, tp_name, shard, rep, two_d, *extra = CONFIGS[name]
+    how = extra[0] if extra else "fully_shard"
     mesh = _cached_mesh(shape, names)
     ref = _build()
     models: dict[str, nn.Module] = {}
     kw: dict[str, Any] = {"reshard_after_forward": 2} if name == "flat_shard" else {}
-    if TorchDims is not None:
+    ours, theirs = fsdp2.fully_shard, torch_fully_shard
+    if how == "replicate":
+        ours, theirs = fsdp2.replicate, torch_replicate
+    elif how == "norms":
+        kw["shard_placement_fn"] = lambda p: Replicate() if p.ndim == 1 else None
+    if TorchDims is not None and how != "norms":
         models["torch"] = _shard(
             _distribute(_build(), mesh, tp_name),
-            torch_fully_shard,
+            theirs,
             mesh,
             TorchDims(shard=shard, replicate=rep),
         )
     models["fsdp2"] = _shard(
         _distribute(_build(), mesh, tp_name),
-        fsdp2.fully_shard,
+        ours,
         mesh,
         DataParallelMeshDims(shard=shard, replicate=rep),
         **kw,
     )
+    if how != "fully_shard":  # whole on every data-parallel rank; TP placements kept
+        dp_dims = [i for i, n in enumerate(names) if n != tp_name]
+        for pname, p in models["fsdp2"].named_parameters():
+            if how == "replicate" or p.ndim == 1:
+                assert all(p.placements[i] == Replicate() for i in dp_dims), (pname, p.placements)
     if two_d is not None:  # the "2D" way: TP on mesh["tp"], FSDP on the data-parallel slice
         model = _build() if tp_name is None else _distribute(_build(), mesh[tp_name], tp_name)
         dp_mesh = mesh[two_d[0]] if len(two_d) == 1 else mesh[two_d]
@@ -310,15 +329,15 @@ def _run_configs(names: list[str]) -> dict[str, Any]:
 @pytest.mark.parametrize(
     "names",
     [
-        ["fsdp_dp_tp", "fsdp_tp_dp", "replicate_tp"],
-        ["hsdp", "hsdp_tp", "flat_shard", "flat_shard_tp"],
+        ["fsdp_dp_tp", "fsdp_tp_dp", "replicate_tp", "replicate_fn_tp", "fsdp_tp_norms"],
+        ["hsdp", "hsdp_tp", "flat_shard", "flat_shard_tp", "hsdp_norms"],
     ],
     ids=["fsdp_tp_replicate", "hsdp_flat"],
 )
 def test_dp_mesh_dims_layout_and_parity(names: list[str]) -> None:
     results = run_on_ranks(WORLD_SIZE, _run_configs, names)
     for name in names:
-        if TorchDims is not None:
+        if "torch" in results[0][name]:
             assert results[0][name]["fsdp2"] == results[0][name]["torch"], name
 
 

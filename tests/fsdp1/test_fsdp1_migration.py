@@ -43,7 +43,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.distributed.tensor import Shard
 
+import fsdp2
 from fsdp2 import FSDPModule
 from fsdp2._core.seam import unit_settings
 from fsdp2.fsdp1 import (
@@ -334,12 +336,21 @@ def _ignored_and_meshes() -> dict[str, object]:
         "head_is_dtensor": hasattr(model.head.weight, "full_tensor"),
         "head_has_grad": model.head.weight.grad is not None,
         "mesh_shape": tuple(w.device_mesh.shape),
+        "placements": str(tuple(w.placements)),
+        "replicated": isinstance(model.layers[0], fsdp2.ReplicateModule),
     }
 
 
 def test_ignored_modules_and_no_shard_mesh() -> None:
+    """NO_SHARD is fsdp2.replicate over every rank (Replicate() parameters on a 1D mesh)."""
     out = run_on_ranks(2, _ignored_and_meshes)[0]
-    assert out == {"head_is_dtensor": False, "head_has_grad": True, "mesh_shape": (2, 1)}, out
+    assert out == {
+        "head_is_dtensor": False,
+        "head_has_grad": True,
+        "mesh_shape": (2,),
+        "placements": "(Replicate(),)",
+        "replicated": True,
+    }, out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -559,15 +570,16 @@ def _bad_policies() -> None:
 
     with pytest.raises(ValueError, match="only sharding_strategy and mixed_precision"):
         shard_model(build(MODEL), auto_wrap_policy=CustomPolicy(lambda m: {"cpu_offload": 1}))
-    with pytest.raises(ValueError, match="needs another mesh"):
-        shard_model(
-            build(MODEL),
-            auto_wrap_policy=CustomPolicy(
-                lambda m: (
-                    isinstance(m, MLPBlock) and {"sharding_strategy": ShardingStrategy.NO_SHARD}
-                )
-            ),
-        )
+    # NO_SHARD blocks inside a FULL_SHARD model: replicated blocks, a sharded root
+    mixed = shard_model(
+        build(MODEL),
+        auto_wrap_policy=CustomPolicy(
+            lambda m: isinstance(m, MLPBlock) and {"sharding_strategy": ShardingStrategy.NO_SHARD}
+        ),
+    )
+    assert all(isinstance(b, fsdp2.ReplicateModule) for b in mixed.layers)
+    assert not isinstance(mixed, fsdp2.ReplicateModule)
+    assert mixed.head.weight.placements == (Shard(0),)
 
 
 def test_bad_policy_overrides() -> None:

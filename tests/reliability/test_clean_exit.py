@@ -81,8 +81,8 @@ def test_installed_once(monkeypatch) -> None:
     clean_exit.install_exit_drain()
     clean_exit.install_exit_drain()
     assert registered == [clean_exit.drain]
-    # fully_shard and save_full_checkpoint install it
-    for fn in (sharding.fully_shard, fsdp2.checkpoint.save_full_checkpoint):
+    # fully_shard and replicate (through shard_modules) and save_full_checkpoint install it
+    for fn in (sharding.shard_modules, fsdp2.checkpoint.save_full_checkpoint):
         assert "install_exit_drain()" in inspect.getsource(fn), fn
 
 
