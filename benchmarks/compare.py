@@ -56,7 +56,8 @@ from fsdp2._core.observe import HUB, Collective, Observer  # noqa: E402
 from fsdp2.models import Llama, LlamaConfig, TransformerBlock  # noqa: E402
 
 IMPLS = ("fsdp2", "torch_fsdp2", "torch_fsdp1", "ddp", "single")
-# also available: fsdp2_replicate / torch_replicate (``replicate`` on every block and the root)
+# also: fsdp2_replicate / torch_replicate (``replicate`` on every block and the root)
+MORE_IMPLS = ("fsdp2_replicate", "torch_replicate")
 
 
 class _AllGathers(Observer):
@@ -347,9 +348,10 @@ def main(argv: list[str] | None = None) -> None:
         "--baseline", metavar="DIR", help=f"also run DIR's fsdp2 package, as {BASELINE}"
     )
     args = ap.parse_args(argv)
-    unknown = set(impl_list(args)) - {*IMPLS, BASELINE}
+    unknown = set(impl_list(args)) - {*IMPLS, *MORE_IMPLS, BASELINE}
     if unknown:
-        ap.error(f"unknown --impls {sorted(unknown)}; choose from {', '.join(IMPLS)}")
+        choices = ", ".join((*IMPLS, *MORE_IMPLS))
+        ap.error(f"unknown --impls {sorted(unknown)}; choose from {choices}")
     if BASELINE in impl_list(args) and not args.baseline:
         ap.error(f"--impls {BASELINE} needs --baseline DIR")
     if args.baseline:

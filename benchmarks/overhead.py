@@ -115,10 +115,10 @@ def worker(rank: int, args: argparse.Namespace) -> None:
         med = {i: statistics.median(times[i]) for i in impls}
         ini = {i: statistics.median(inits[i]) for i in impls}
         print(f"# {' '.join(sys.argv)}  ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cpus)")
-        print(f"{'impl':8} {'step ms':>9} {'per layer us':>13} {'init ms':>9}")
+        print(f"{'impl':16} {'step ms':>9} {'per layer us':>13} {'init ms':>9}")
         for i in impls:
             print(
-                f"{i:8} {med[i] * 1e3:9.2f} {med[i] / args.layers * 1e6:13.1f} {ini[i] * 1e3:9.1f}"
+                f"{i:16} {med[i] * 1e3:9.2f} {med[i] / args.layers * 1e6:13.1f} {ini[i] * 1e3:9.1f}"
             )
         step_ratio = med["fsdp2"] / med["torch"]
         init_ratio = ini["fsdp2"] / ini["torch"]

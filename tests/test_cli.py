@@ -2,6 +2,12 @@
 the output the page shows; ``python -m fsdp2`` is the same command; ``fsdp2 estimate``'s
 numbers are ``fsdp2.estimate_memory``'s, to the byte (JSON, HSDP mesh, a sweep); the inputs a
 person gets wrong exit 1 or 2 with a message saying what to fix.
+
+Most runs call ``fsdp2.cli.main`` in this process (``fsdp2()`` in test_cli_checkpoint.py);
+one runs ``python -m fsdp2`` in a subprocess, and test_cli_checkpoint.py runs the console
+script. The checkpoint commands of the page run in a temporary folder holding what the
+page names (``ckpt``: a DCP checkpoint saved by 2 ranks, with its ``config.json``) and a link
+to ``examples``.
 """
 
 from __future__ import annotations
@@ -18,17 +24,16 @@ import pytest
 
 pytest.importorskip("transformers", reason="transformers is a test extra")
 
+from test_cli_checkpoint import fsdp2, save_sharded_llama  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(ROOT, "docs", "cli.md")
 
 
-def _run(argv: list[str], cwd: str = ROOT) -> subprocess.CompletedProcess[str]:
+def _subprocess(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": ROOT}
-    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-
-
-def _fsdp2(*args: str) -> subprocess.CompletedProcess[str]:
-    return _run([sys.executable, "-m", "fsdp2", *args])
+    argv = [sys.executable, "-m", "fsdp2", *args]
+    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 def _page() -> list[tuple[str, str]]:
@@ -38,18 +43,20 @@ def _page() -> list[tuple[str, str]]:
     return [(cmd.strip(), out) for cmd, out in pairs]
 
 
-def test_page_commands_print_what_the_page_shows() -> None:
+def test_page_commands_print_what_the_page_shows(tmp_path: Any, monkeypatch: Any) -> None:
+    from _harness import run_on_ranks
+
     pairs = _page()
-    assert len(pairs) == 2
-    script = os.path.join(os.path.dirname(sys.executable), "fsdp2")
+    assert len(pairs) >= 7
+    os.symlink(os.path.join(ROOT, "examples"), tmp_path / "examples")
+    run_on_ranks(2, save_sharded_llama, str(tmp_path / "ckpt"))
+    monkeypatch.chdir(tmp_path)
     for command, shown in pairs:
         argv = shlex.split(command)
         assert argv[0] == "fsdp2", command
-        # the installed console script when there is one (pip install), else python -m
-        argv = [script, *argv[1:]] if os.path.exists(script) else [sys.executable, "-m", *argv]
-        proc = _run(argv)
-        assert proc.returncode == 0, (command, proc.stderr[-3000:])
-        assert proc.stdout == shown, (command, proc.stdout)
+        code, out, err = fsdp2(*argv[1:])
+        assert code == 0, (command, err[-3000:])
+        assert out == shown, (command, out)
 
 
 def _config(tmp_path: Any) -> str:
@@ -84,20 +91,22 @@ def _python_estimate(folder: str, mesh: Any) -> Any:
 def test_estimate_equals_estimate_memory(tmp_path: Any) -> None:
     folder = _config(tmp_path)
     common = ["--batch", "2", "--seq", "64", "--device", "cpu", "--json"]
-    proc = _fsdp2("estimate", folder, "--mesh", "2x2", "--device-memory", "1MiB", *common)
+    proc = _subprocess("estimate", folder, "--mesh", "2x2", "--device-memory", "1MiB", *common)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout)  # stdout holds the JSON only
     want = _python_estimate(folder, (2, 2))
     assert got["peak_bytes"] == want.peak_bytes and got["parts"] == want.parts, got
     assert got["mesh_shape"] == [2, 2] and got["world_size"] == 4
     assert got["fits"] is False and got["device_memory_bytes"] == 2**20
-    sweep = _fsdp2("estimate", os.path.join(folder, "config.json"), "--sweep", "2,4", *common)
-    assert sweep.returncode == 0, sweep.stderr[-3000:]
-    lines = json.loads(sweep.stdout)
+    code, out, err = fsdp2(
+        "estimate", os.path.join(folder, "config.json"), "--sweep", "2,4", *common
+    )
+    assert code == 0, err[-3000:]
+    lines = json.loads(out)
     assert [x["world_size"] for x in lines] == [2, 4]
     assert lines[1]["peak_bytes"] == _python_estimate(folder, 4).peak_bytes
-    table = _fsdp2("estimate", folder, "--sweep", "2,4", *common[:-1])
-    assert table.returncode == 0 and len(table.stdout.splitlines()) == 4, table.stdout
+    code, out, _ = fsdp2("estimate", folder, "--sweep", "2,4", *common[:-1])
+    assert code == 0 and len(out.splitlines()) == 4, out
 
 
 def test_inputs_a_person_gets_wrong(tmp_path: Any) -> None:
@@ -117,9 +126,9 @@ def test_inputs_a_person_gets_wrong(tmp_path: Any) -> None:
         (["estimate", folder, "--batch", "0"], 2, "--batch must be at least 1"),
         (["nonsense"], 2, "invalid choice"),
     ]
-    for args, code, message in cases:
-        proc = _fsdp2(*args)
-        assert proc.returncode == code and message in proc.stderr, (args, proc.stderr[-2000:])
+    for args, want, message in cases:
+        code, _, err = fsdp2(*args)
+        assert code == want and message in err, (args, err[-2000:])
 
 
 def test_readme_shows_a_tested_command() -> None:

@@ -262,8 +262,8 @@ def shard_model(
         model: the root module; ``torch.distributed`` must be initialized.
         auto_wrap_policy: selects the units, as FSDP1 does with the same policy: a set of
             module classes; torch's FSDP1 policy objects as they are (``ModuleWrapPolicy``,
-            ``CustomPolicy``; a ``CustomPolicy`` dict may override ``sharding_strategy`` within
-            the same mesh and ``mixed_precision``); FSDP1 policy functions
+            ``CustomPolicy``; a ``CustomPolicy`` dict may override ``sharding_strategy`` (a
+            unit of another kind gets a mesh of its kind) and ``mixed_precision``); FSDP1 policy functions
             ``(module, recurse, nonwrapped_numel) -> bool`` (``functools.partial`` of torch's
             ``size_based_auto_wrap_policy``, ``transformer_auto_wrap_policy``,
             ``lambda_auto_wrap_policy``, ``_or_policy``, or your own); ``size_based_policy(n)``;
@@ -276,7 +276,8 @@ def shard_model(
             prefetch; ``None``: no backward prefetch.
         forward_prefetch: accepted; fsdp2 always prefetches the unit that ran next in the
             previous forward (FSDP1's ``forward_prefetch=True`` schedule).
-        device_mesh: 1D for ``FULL_SHARD``/``SHARD_GRAD_OP``, 2D ``(replicate, shard)`` for the
+        device_mesh: 1D for ``FULL_SHARD``/``SHARD_GRAD_OP``/``NO_SHARD`` (replicated over
+            it; a 2D ``(world, 1)`` mesh is taken too), 2D ``(replicate, shard)`` for the
             hybrid strategies; ``None`` builds one over the default process group.
         ignored_modules: modules whose parameters are left alone (not sharded, not reduced).
 

@@ -162,6 +162,7 @@ CONFIGS: dict[str, tuple[Any, ...]] = {
     "replicate_fn_tp": ((2, 2), ("dp", "tp"), "tp", None, "dp", None, "replicate"),
     "fsdp_tp_norms": ((2, 2), ("dp", "tp"), "tp", "dp", None, None, "norms"),
     "hsdp_norms": ((2, 2), ("rep", "shard"), None, "shard", "rep", None, "norms"),
+    "hsdp_tp_norms": ((2, 1, 2), ("rep", "shard", "tp"), "tp", "shard", "rep", None, "norms"),
     "fsdp_dp_tp": ((2, 2), ("dp", "tp"), "tp", "dp", None, ("dp",)),
     "fsdp_tp_dp": ((2, 2), ("tp", "dp"), "tp", "dp", None, None),
     "hsdp": ((2, 2), ("rep", "shard"), None, "shard", "rep", ("rep", "shard")),
@@ -330,7 +331,7 @@ def _run_configs(names: list[str]) -> dict[str, Any]:
     "names",
     [
         ["fsdp_dp_tp", "fsdp_tp_dp", "replicate_tp", "replicate_fn_tp", "fsdp_tp_norms"],
-        ["hsdp", "hsdp_tp", "flat_shard", "flat_shard_tp", "hsdp_norms"],
+        ["hsdp", "hsdp_tp", "flat_shard", "flat_shard_tp", "hsdp_norms", "hsdp_tp_norms"],
     ],
     ids=["fsdp_tp_replicate", "hsdp_flat"],
 )

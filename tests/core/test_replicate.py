@@ -241,6 +241,17 @@ def _behaviours() -> dict[str, Any]:
             errors.append("modified by an inplace operation" in str(e))
     out["inplace_errors"] = errors
 
+    # set_bucket_bytes: the replicated groups' all-reduces in one bucket, same gradients
+    bucketed = _apply("fsdp2", build(NAME), "replicate")
+    bucketed.set_bucket_bytes(1 << 20)
+    plain_rep = _apply("fsdp2", build(NAME), "replicate")
+    with CommCounter() as counter:
+        _loss(bucketed, rank_slice(x, r, w), rank_slice(y, r, w)).backward()
+    out["bucketed_all_reduces"] = len([c for c in counter.calls if c.kind == "AR"])
+    _loss(plain_rep, rank_slice(x, r, w), rank_slice(y, r, w)).backward()
+    g_b, g_p = full_grads(bucketed), full_grads(plain_rep)
+    out["bucketed_equal"] = all(torch.equal(g_b[n], g) for n, g in g_p.items())
+
     # the all-reduce hook runs on the replicated gradients (after the all-reduce)
     hooked = _apply("fsdp2", build(NAME), "replicate")
     for m in hooked.modules():
@@ -270,6 +281,7 @@ def test_replicate_layout_traffic_and_call_orders() -> None:
     assert out["step0_calls"] == want, out["step0_calls"]
     assert out["inplace_errors"] == [True, True], out
     assert out["hook_doubles"], out
+    assert out["bucketed_all_reduces"] == 1 and out["bucketed_equal"], out
 
 
 # ---------------------------------------------------------------------------------------------

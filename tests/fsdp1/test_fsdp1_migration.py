@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 import fsdp2
 from fsdp2 import FSDPModule
@@ -580,6 +580,23 @@ def _bad_policies() -> None:
     assert all(isinstance(b, fsdp2.ReplicateModule) for b in mixed.layers)
     assert not isinstance(mixed, fsdp2.ReplicateModule)
     assert mixed.head.weight.placements == (Shard(0),)
+    # HYBRID_SHARD blocks under a FULL_SHARD root: the blocks on a (nodes, per node) mesh
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    try:
+        hybrid = shard_model(
+            build(MODEL),
+            auto_wrap_policy=CustomPolicy(
+                lambda m: (
+                    isinstance(m, MLPBlock) and {"sharding_strategy": ShardingStrategy.HYBRID_SHARD}
+                )
+            ),
+        )
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+    assert hybrid.layers[0].lin.weight.placements == (Replicate(), Shard(0))
+    assert hybrid.head.weight.placements == (Shard(0),)
+    x, y = make_batch(MODEL, 0)
+    local_loss(hybrid, MODEL, x, y).backward()  # trains across the two kinds of mesh
 
 
 def test_bad_policy_overrides() -> None:

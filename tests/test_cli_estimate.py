@@ -1,0 +1,121 @@
+"""``fsdp2 estimate``'s extras (fsdp2/cli.py): fsdp2's own models by name, ``--optimizer
+muon``, ``--plot``, and the Hugging Face configs under examples/configs.
+
+* ``fsdp2 estimate llama-bench`` is benchmarks/estimate.py's estimate of the benchmark Llama
+  (the configuration docs/benchmarks.md measures), to the byte.
+* ``--optimizer muon`` counts one fp32 momentum per hidden matrix (``fsdp2.optim.Muon``) and
+  AdamW's two moments and step for the rest, as ``muon_param_groups`` splits them.
+* ``--plot`` writes a PNG and leaves stdout as it is.
+* The hand-written configs build the published models (parameter counts), and docs/cli.md's
+  figures for ``accelerate estimate-memory`` are what accelerate's own functions give for them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers is a test extra")
+
+from test_cli_checkpoint import fsdp2  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "examples", "configs")
+SMALL = ["--batch", "2", "--seq", "32", "--device", "cpu"]
+
+
+def test_benchmark_llama_equals_benchmarks_estimate() -> None:
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import estimate as bench
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    want = bench.estimate(bench.Config("llama", "fp32", True, (2,)))
+    argv = ["llama-bench", "--mesh", "2", "--batch", "8", "--seq", "256", "--mp", "fp32"]
+    code, out, err = fsdp2("estimate", *argv, "--device", "cpu", "--json")
+    assert code == 0, err[-3000:]
+    got = json.loads(out)
+    assert got["peak_bytes"] == want.peak_bytes and got["parts"] == want.parts, (got, want)
+
+
+def _state_bytes(params: list[torch.nn.Parameter], muon_ids: set[int]) -> int:
+    """One rank's optimizer state, unsharded: Muon's fp32 momentum, or AdamW's two fp32
+    moments and its fp32 step scalar."""
+    return sum(p.numel() * 4 if id(p) in muon_ids else p.numel() * 8 + 4 for p in params)
+
+
+def test_muon_counts_one_moment_per_hidden_matrix() -> None:
+    from fsdp2.models import Llama, LlamaConfig
+    from fsdp2.optim import muon_param_groups
+
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(vocab_size=256, dim=192, n_layers=4, n_heads=6))
+    params = list(model.parameters())
+    muon_ids = {id(p) for p in muon_param_groups(model)[0][0]["params"]}
+    assert muon_ids and len(muon_ids) < len(params)
+    parts = {}
+    for optimizer in ("muon", "adamw"):
+        argv = ["llama-train", "--mesh", "1", "--optimizer", optimizer, "--batch", "4"]
+        code, out, err = fsdp2("estimate", *argv, "--seq", "128", "--device", "cpu", "--json")
+        assert code == 0, err[-3000:]
+        got = json.loads(out)
+        # a peak in the backward: the state alone (in the step, its temporaries too)
+        assert got["when"].startswith("backward"), got["when"]
+        parts[optimizer] = got["parts"]["optimizer state"]
+    assert parts["muon"] == _state_bytes(params, muon_ids)
+    assert parts["adamw"] == _state_bytes(params, set())
+
+
+def test_plot_writes_a_png(tmp_path: Any) -> None:
+    png = str(tmp_path / "sweep.png")
+    argv = ["estimate", "llama-train", "--sweep", "1,2", *SMALL, "--device-memory", "1MiB"]
+    code, plain, err = fsdp2(*argv)
+    assert code == 0, err[-3000:]
+    code, out, err = fsdp2(*argv, "--plot", png)
+    assert code == 0 and out == plain, err[-3000:]
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    code, _, err = fsdp2("estimate", "llama-nonesuch", *SMALL)
+    assert code == 1 and "nor one of fsdp2's models (llama-bench" in err, err
+    code, _, err = fsdp2(*argv, "--plot", str(tmp_path / "no" / "such" / "dir.png"))
+    assert code == 1 and "--plot" in err and "cannot write it" in err, err
+
+
+# The published parameter counts of the models whose shapes examples/configs holds.
+PARAMETERS = {
+    "llama-3-8b": 8_030_261_248,
+    "llama-3-70b": 70_553_706_496,
+    "qwen2.5-7b": 7_615_616_512,
+    "mixtral-8x7b": 46_702_792_704,
+}
+
+
+def test_example_configs_and_accelerate_figures() -> None:
+    """Each config builds its model (parameter count), and the page's figures for
+    ``accelerate estimate-memory`` are accelerate's: its model (``AutoModel``, fp32, on no
+    device), its ``calculate_maximum_sizes`` and its ``estimate_training_usage`` (``accelerate
+    estimate-memory`` itself only takes names on the Hugging Face Hub)."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.commands.estimate import estimate_training_usage
+    from accelerate.utils import calculate_maximum_sizes, convert_bytes
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    assert sorted(os.listdir(CONFIGS)) == sorted(PARAMETERS)
+    page = open(os.path.join(ROOT, "docs", "cli.md")).read()
+    for name, count in PARAMETERS.items():
+        config = AutoConfig.from_pretrained(os.path.join(CONFIGS, name))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        assert sum(p.numel() for p in model.parameters()) == count, name
+        with accelerate.init_empty_weights():
+            bare = AutoModel.from_config(config, dtype=torch.float32)
+        total, _ = calculate_maximum_sizes(bare)
+        fp32 = max(estimate_training_usage(total, "float32").values())
+        fp16 = max(estimate_training_usage(total, "float16").values())
+        row = f"| {convert_bytes(total)} | {convert_bytes(fp32)} | {convert_bytes(fp16)} |"
+        assert row in page, (name, row)
