@@ -264,8 +264,8 @@ def shard_model(
             module classes; torch's FSDP1 policy objects as they are (``ModuleWrapPolicy``,
             ``CustomPolicy``; a ``CustomPolicy`` dict may override ``sharding_strategy`` (a
             unit of another kind gets a mesh of its kind) and ``mixed_precision``); FSDP1 policy
-            functions ``(module, recurse, nonwrapped_numel) -> bool`` (``functools.partial`` of torch's
-            ``size_based_auto_wrap_policy``, ``transformer_auto_wrap_policy``,
+            functions ``(module, recurse, nonwrapped_numel) -> bool`` (``functools.partial``
+            of torch's ``size_based_auto_wrap_policy``, ``transformer_auto_wrap_policy``,
             ``lambda_auto_wrap_policy``, ``_or_policy``, or your own); ``size_based_policy(n)``;
             or any ``module -> bool``, asked children first, after the wrapped children became
             ``FSDPModule``s. ``None`` wraps only the root.
