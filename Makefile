@@ -25,7 +25,7 @@ COMPAT_REQS = $(shell $(PYTHON) -c "import tomllib; p = tomllib.load(open('pypro
 	'rb'))['project']; print(' '.join(repr(r) for r in p['dependencies'] + \
 	p['optional-dependencies']['test']))")
 COMPAT_TESTS ?= tests/core/test_parity.py tests/core/test_mixed_precision.py \
-	tests/core/test_per_param_mesh.py tests/integrations/test_moe.py \
+	tests/core/test_per_param_mesh.py tests/core/test_replicate.py tests/integrations/test_moe.py \
 	tests/core/test_meta_init.py tests/checkpoint/test_torch_state_dict.py \
 	tests/checkpoint/test_full_checkpoint_*.py tests/integrations/test_compile.py \
 	tests/integrations/test_torchao.py::test_float8_llama_parity
