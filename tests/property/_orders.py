@@ -3,7 +3,8 @@ and an unsharded replica through the calls a training script makes, in random or
 
 ``CallOrders`` holds an fsdp2-sharded ``Net`` (three residual blocks, each its own
 ``fully_shard`` with a drawn ``reshard_after_forward``, one optionally nested, parameters at
-the root on both sides of the blocks) and a replica built under the same seed that trains on
+the root on both sides of the blocks; each block and the root drawn as sharded, replicated
+(``replicate``) or sharded with its 1-D parameters ``Replicate()``) and a replica built under the same seed that trains on
 the whole global batch. Each rule does one thing a script does, to both when it has a
 meaning for the replica:
 
@@ -58,7 +59,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from models import mean_over_ranks, rank_slice
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 import fsdp2
 
@@ -67,6 +68,8 @@ ROWS_PER_RANK = 2
 LR = 0.05
 RTOL, ATOL = 1e-4, 1e-5
 MAX_PENDING = 2  # losses kept for a later backward
+# how each block and the root are wrapped (see CallOrders._apply)
+KINDS = ["shard", "replicate", "small"]
 POLICIES: dict[str, dict[str, Any]] = {
     "off": {},
     "fp64": {"param_dtype": torch.float64, "reduce_dtype": torch.float64},
@@ -164,24 +167,43 @@ class CallOrders(RuleBasedStateMachine):
         reshard=st.tuples(st.booleans(), st.booleans(), st.booleans()),
         nested=st.booleans(),
         bucket=st.sampled_from([None, 1 << 20]),
+        kinds=st.tuples(*(st.sampled_from(KINDS),) * 4),
     )
     def build(
-        self, policy: str, reshard: tuple[bool, bool, bool], nested: bool, bucket: int | None
+        self,
+        policy: str,
+        reshard: tuple[bool, bool, bool],
+        nested: bool,
+        bucket: int | None,
+        kinds: tuple[str, ...],
     ) -> None:
-        self._note(f"build(policy={policy}, reshard={reshard}, nested={nested}, bucket={bucket})")
+        self._note(
+            f"build(policy={policy}, reshard={reshard}, nested={nested}, bucket={bucket}, "
+            f"kinds={kinds})"
+        )
         torch.manual_seed(1234)
         self.ref = Net()
         model = copy.deepcopy(self.ref)
         mp = fsdp2.MixedPrecisionPolicy(**POLICIES[policy])
         if nested:
             fsdp2.fully_shard(model.layers[1].lin1, mesh=self.mesh, mp_policy=mp)
-        for block, r in zip(model.layers, reshard, strict=True):
-            fsdp2.fully_shard(block, mesh=self.mesh, reshard_after_forward=r, mp_policy=mp)
-        fsdp2.fully_shard(model, mesh=self.mesh, mp_policy=mp)
+        for block, r, kind in zip(model.layers, reshard, kinds, strict=False):
+            self._apply(block, kind, mp, reshard_after_forward=r)
+        self._apply(model, kinds[-1], mp)
         if bucket is not None:
             model.set_bucket_bytes(bucket)
         self.model = model
         self.stats["runs"] = self.stats.get("runs", 0) + 1
+
+    def _apply(self, module: nn.Module, kind: str, mp: Any, **kw: Any) -> None:
+        """``fully_shard`` (``"shard"``), ``replicate`` (``"replicate"``) or ``fully_shard``
+        with the 1-D parameters placed ``Replicate()`` (``"small"``)."""
+        if kind == "replicate":
+            fsdp2.replicate(module, mesh=self.mesh, mp_policy=mp)
+            return
+        if kind == "small":
+            kw["shard_placement_fn"] = lambda p: Replicate() if p.ndim == 1 else None
+        fsdp2.fully_shard(module, mesh=self.mesh, mp_policy=mp, **kw)
 
     # ---- helpers -----------------------------------------------------------------------
 
