@@ -14,9 +14,9 @@ layouts in the same worker. Checked:
   unsharded parameter's storage is the sharded one's: no copy); no all-gather, one
   all-reduce per replicated group per backward;
 * call orders: an optimizer built after a forward, evaluation mid-run, freezing a replicated
-  block mid-run, an optimizer step between a forward and its backward (fails as on the plain
-  module, never silently); ``clip_grad_norm_`` over sharded and replicated gradients;
-  ``set_all_reduce_hook``;
+  block mid-run, a cast to float64 after a step, an optimizer step between a forward and its
+  backward (fails as on the plain module, never silently); ``clip_grad_norm_`` over sharded
+  and replicated gradients; ``set_all_reduce_hook``;
 * ``Replicate()`` per parameter (1-D parameters of fully_shard blocks, also through
   ``ShardPlacementResult``): placements, all-gathers without them, training like the
   reference;
@@ -251,6 +251,23 @@ def _behaviours() -> dict[str, Any]:
     _loss(plain_rep, rank_slice(x, r, w), rank_slice(y, r, w)).backward()
     g_b, g_p = full_grads(bucketed), full_grads(plain_rep)
     out["bucketed_equal"] = all(torch.equal(g_b[n], g) for n, g in g_p.items())
+
+    # a cast after a step (relayout): the views follow the new buffer, training goes on
+    cast, ref64 = _apply("fsdp2", build(NAME), "replicate"), build(NAME)
+    for step in range(3):
+        if step == 1:
+            cast.to(torch.float64)
+            ref64.to(torch.float64)
+        opts = [make_optimizer("sgd", m.parameters()) for m in (cast, ref64)]
+        x, y = (t.to(next(ref64.parameters()).dtype) for t in make_batch(NAME, step))
+        _loss(cast, rank_slice(x, r, w), rank_slice(y, r, w)).backward()
+        _loss(ref64, x, y).backward()
+        for o in opts:
+            o.step()
+    ref64_params = dict(ref64.named_parameters())
+    for n, p in full_params(cast).items():
+        check_close(p, ref64_params[n].detach(), f"after .to(float64): {n}")
+    x, y = make_batch(NAME, 0)
 
     # the all-reduce hook runs on the replicated gradients (after the all-reduce)
     hooked = _apply("fsdp2", build(NAME), "replicate")
