@@ -5,8 +5,8 @@ and an unsharded replica through the calls a training script makes, in random or
 ``fully_shard`` with a drawn ``reshard_after_forward``, one optionally nested, parameters at
 the root on both sides of the blocks; each block and the root drawn as sharded, replicated
 (``replicate``) or sharded with its 1-D parameters ``Replicate()``) and a replica built
-under the same seed that trains on the whole global batch. Each rule does one thing a script does, to both when it has a
-meaning for the replica:
+under the same seed that trains on the whole global batch. Each rule does one thing a
+script does, to both when it has a meaning for the replica:
 
 * ``train``: forward + backward of a batch (the sharded model on its rank's slice);
 * ``forward``: a forward only: with grad (its loss kept for a later ``backward``: two
