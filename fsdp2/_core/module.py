@@ -60,6 +60,8 @@ class UnshardHandle:
 class FSDPModule:
     """Mixin added to every module passed to :func:`fully_shard`."""
 
+    _fsdp2_api = "fully_shard"  # the call that manages it (``ReplicateModule``: replicate)
+
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Constructing an FSDP class (e.g. nn.Sequential slicing builds
         # ``type(self)(...)``) builds the plain original class instead.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections.abc import Iterator
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -81,6 +82,9 @@ class Reduction:
         self.stage = ReduceStage.REDUCE_SCATTER
         self.host_copy = False  # gradients copied to pinned host memory asynchronously
 
+    def _what(self) -> str:
+        return _paths(self.parts)
+
     def _slices(self, output: torch.Tensor) -> Iterator[tuple[Part, torch.Tensor]]:
         for part, start in zip(self.parts, self.starts, strict=True):
             yield part, output.narrow(0, start, part.numel)
@@ -91,11 +95,10 @@ class Reduction:
         g = self.group
         scatter = self.stage is ReduceStage.REDUCE_SCATTER
         kind = "reduce_scatter wait" if scatter else "all_reduce wait"
-        if scatter and g.world == 1:  # no collective (one shard rank): nothing to wait for
+        # one shard rank: the "reduce-scatter" ran no collective, so no wait to label
+        waiting = nullcontext() if scatter and g.world == 1 else label(kind, self._what)
+        with waiting:
             output = self.pending.wait()
-        else:
-            with label(kind, lambda: _paths(self.parts)):
-                output = self.pending.wait()
         replicate = g.info.replicate_group
         if self.stage is ReduceStage.REDUCE_SCATTER and replicate is not None:
             if not g.reduce.all_reduce:  # never bucketed (see bucket_key)
@@ -109,8 +112,7 @@ class Reduction:
                     out.add_(part.state.partial)
                     part.state.partial = None
             self.stage = ReduceStage.ALL_REDUCE
-            paths = lambda: _paths(self.parts)  # noqa: E731
-            self.pending = all_reduce(output, replicate, paths, op=self.plan.ar_op)
+            self.pending = all_reduce(output, replicate, self._what, op=self.plan.ar_op)
             return False
         for part, out in self._slices(output):
             if part.group.has_scalars:

@@ -29,6 +29,8 @@ class ReplicateModule(FSDPModule):
     :class:`FSDPModule`, as in torch: the same methods, and ``isinstance(m, FSDPModule)``
     holds)."""
 
+    _fsdp2_api = "replicate"
+
 
 _REPLICATE_CLASSES: dict[type, type] = {}
 

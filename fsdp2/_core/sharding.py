@@ -302,11 +302,8 @@ def check_modules(module: object, what: str = "fully_shard") -> list[nn.Module]:
                 f"`for block in model.layers: {what}(block)`"
             )
         if state_of(m) is not None:
-            done = (
-                "replicated by replicate"
-                if type(m).__name__.startswith("Replicate")
-                else "sharded by fully_shard"
-            )
+            by = getattr(m, "_fsdp2_api", "fully_shard")
+            done = "replicated by replicate" if by == "replicate" else "sharded by fully_shard"
             raise ValueError(
                 f"{type(m).__name__} is already {done}; {what} applies once per module (a "
                 "module is either sharded or replicated)"

@@ -38,28 +38,33 @@ __all__ = ["install_optimizer_check", "track"]
 # up by identity in a map rebuilt whenever a group's parameter objects changed.
 _GROUPS: weakref.WeakSet[Any] = weakref.WeakSet()
 _epoch = 0
-_map: tuple[int, dict[int, tuple[weakref.ref[Any], int]]] = (-1, {})
+_Entry = tuple[weakref.ref[Any], int, bool]  # (group, index in group.params, sharded face)
+_map: tuple[int, dict[int, _Entry]] = (-1, {})
 _installed = False
 
 
 def track(group: Any) -> None:
-    """(Re)track ``group``'s unsharded parameters (``group.params[i].unsharded``): call
+    """(Re)track ``group``'s parameters (``group.params[i].unsharded`` / ``.sharded``): call
     whenever its parameter objects change. ``group`` is a ``ParamGroup``."""
     global _epoch
     _GROUPS.add(group)
     _epoch += 1
 
 
-def _unsharded_map() -> dict[int, tuple[weakref.ref[Any], int]]:
-    """``id(unsharded parameter) -> (its group, its index in group.params)``."""
+def _tracked_map() -> dict[int, _Entry]:
+    """``id(parameter) -> (its group, its index in group.params, whether it is the sharded
+    face)``: every unsharded parameter, and the sharded ones of groups with one shard rank
+    (which may forward on views of them: [Note: steps between forward and backward])."""
     global _map
     if _map[0] != _epoch:
-        found: dict[int, tuple[weakref.ref[Any], int]] = {}
+        found: dict[int, _Entry] = {}
         for g in list(_GROUPS):
             ref = weakref.ref(g)
             for i, p in enumerate(g.params):
                 if p.unsharded is not None:
-                    found[id(p.unsharded)] = (ref, i)
+                    found[id(p.unsharded)] = (ref, i, False)
+                if g.world == 1:
+                    found[id(p.sharded)] = (ref, i, True)
         _map = (_epoch, found)
     return _map[1]
 
@@ -75,19 +80,26 @@ def install_optimizer_check() -> None:
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if not _GROUPS:
         return
-    _mark_aliased_writes(optimizer)
-    found = _unsharded_map()
+    found = _tracked_map()
+    written: dict[int, Any] = {}  # aliased groups the step will write
     for i, pg in enumerate(optimizer.param_groups):
         for j, p in enumerate(pg["params"]):
             entry = found.get(id(p))
             if entry is None:
                 continue
             group = entry[0]()
-            if group is None or group.params[entry[1]].unsharded is not p:
+            if group is None:
+                continue
+            fp = group.params[entry[1]]
+            if entry[2]:  # a sharded parameter of a group with one shard rank
+                if fp.sharded is p and p.grad is not None and group.aliased:
+                    written[id(group)] = group
+                continue
+            if fp.unsharded is not p:
                 continue  # an id that outlived its parameter
             raise RuntimeError(
                 f"fsdp2: {type(optimizer).__name__}.step() would update the unsharded "
-                f"parameter {group.params[entry[1]].fqn} (param_groups[{i}]['params'][{j}]) "
+                f"parameter {fp.fqn} (param_groups[{i}]['params'][{j}]) "
                 f"of fully_shard({group.name}), a temporary copy that the next all-gather "
                 "overwrites: the optimizer was built while that module's parameters were "
                 "unsharded (after a forward whose backward had not run, or unshard()), "
@@ -96,35 +108,19 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                 "backward or model.reshard(), or from the fully_shard module's "
                 "parameters(). See docs/reliability.md (call orders)"
             )
+    for group in written.values():  # see [Note: steps between forward and backward]
+        torch.autograd.graph.increment_version(group.sharded_flat)
 
 
 # [Note: steps between forward and backward]
-# A group with one shard rank (``replicate``, world size 1) forwards on views of its sharded
-# storage (``GroupLayout.aliased``). An optimizer step between a forward and its backward then
-# changes the values autograd saved, and the backward would compute gradients from a mix of old
-# and new weights. On a plain module autograd refuses that ("modified by an inplace
-# operation"), because the step bumps the parameters' version counter; a DTensor's in-place
-# op runs on its local tensor below autograd and bumps nothing there. So before a step that
-# will update (has a gradient for) a sharded parameter of an aliased group that is unsharded
-# now (a graph may hold its views), the group's storage gets a version bump: its unsharded
-# parameters share that counter, and the backward fails as on the plain module. A step
-# between steps (the groups are sharded then) or of another model's optimizer bumps nothing.
-
-
-def _mark_aliased_writes(optimizer: torch.optim.Optimizer) -> None:
-    live = [
-        g
-        for g in list(_GROUPS)
-        if getattr(g, "aliased", False) and g.sharded_state.name == "UNSHARDED"
-    ]
-    if not live:
-        return
-    owners = {id(p.sharded): g for g in live for p in g.params}
-    hit: dict[int, Any] = {}
-    for pg in optimizer.param_groups:
-        for p in pg["params"]:
-            g = owners.get(id(p))
-            if g is not None and p.grad is not None:
-                hit[id(g)] = g
-    for g in hit.values():
-        torch.autograd.graph.increment_version(g.sharded_flat)
+# A group with one shard rank (``replicate``, ``Replicate()`` parameters, world size 1) forwards
+# on views of its sharded storage (``GroupLayout.aliased``). An optimizer step between a forward
+# and its backward then changes the values autograd saved, and the backward would compute
+# gradients from a mix of old and new weights. On a plain module autograd refuses that
+# ("modified by an inplace operation"), because the step bumps the parameters' version
+# counter; a DTensor's in-place op runs on its local tensor below autograd and bumps nothing
+# there. So the step pre-hook above, in the same pass over the optimizer's parameters, bumps
+# the storage's version of every aliased group whose sharded parameters the step will update
+# (those with a gradient): its unsharded parameters share that counter, so a backward that
+# saved them fails as on the plain module. With no graph holding them (a step between steps,
+# the usual order) the bump changes nothing; another model's optimizer bumps nothing.

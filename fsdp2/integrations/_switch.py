@@ -102,27 +102,22 @@ def _bridges(torch_objects: dict[str, Any]) -> dict[str, Any]:
                 if isinstance(m, torch_module_cls):
                     yield f"{type(root).__name__}{'.' + name if name else ''}"
 
-    @functools.wraps(fsdp2.fully_shard)
-    def fully_shard(module: Any, *args: Any, **kwargs: Any) -> Any:
-        done = list(_torch_sharded(module))
-        if done:
-            raise RuntimeError(
-                f"fully_shard: {done[0]} was sharded by torch's fully_shard, before "
-                "fsdp2.integrations.use_fsdp2() was called; one model cannot mix the two "
-                "engines. Call use_fsdp2() before the model (or the framework) is sharded"
-            )
-        return fsdp2.fully_shard(module, *args, **kwargs)
+    def refusing_torch_models(ours: Any, torch_api: str) -> Any:
+        """``ours`` (fsdp2's ``fully_shard`` / ``replicate``), refusing a tree part of which
+        torch's engine already manages."""
 
-    @functools.wraps(fsdp2.replicate)
-    def replicate(module: Any, *args: Any, **kwargs: Any) -> Any:
-        done = list(_torch_sharded(module))
-        if done:
-            raise RuntimeError(
-                f"replicate: {done[0]} was sharded by torch's fully_shard or replicate, before "
-                "fsdp2.integrations.use_fsdp2() was called; one model cannot mix the two "
-                "engines. Call use_fsdp2() before the model (or the framework) is sharded"
-            )
-        return fsdp2.replicate(module, *args, **kwargs)
+        @functools.wraps(ours)
+        def bridge(module: Any, *args: Any, **kwargs: Any) -> Any:
+            done = list(_torch_sharded(module))
+            if done:
+                raise RuntimeError(
+                    f"{ours.__name__}: {done[0]} was sharded by torch's {torch_api}, before "
+                    "fsdp2.integrations.use_fsdp2() was called; one model cannot mix the two "
+                    "engines. Call use_fsdp2() before the model (or the framework) is sharded"
+                )
+            return ours(module, *args, **kwargs)
+
+        return bridge
 
     @functools.wraps(fsdp2.register_fsdp_forward_method)
     def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
@@ -132,9 +127,9 @@ def _bridges(torch_objects: dict[str, Any]) -> dict[str, Any]:
             fsdp2.register_fsdp_forward_method(module, method_name)
 
     out: dict[str, Any] = {
-        "fully_shard": fully_shard,
+        "fully_shard": refusing_torch_models(fsdp2.fully_shard, "fully_shard"),
         "register_fsdp_forward_method": register_fsdp_forward_method,
-        "replicate": replicate,
+        "replicate": refusing_torch_models(fsdp2.replicate, "fully_shard or replicate"),
     }
     for name in (
         "FSDPModule",
