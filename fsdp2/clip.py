@@ -15,6 +15,8 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
+from fsdp2._core.unsharded import sharded_of
+
 __all__ = ["clip_grad_norm_"]
 
 
@@ -31,8 +33,13 @@ def clip_grad_norm_(
     Same arguments as ``torch.nn.utils.clip_grad_norm_``. Returns the total
     norm before clipping as a plain tensor, equal on every rank (the norm over
     the full, unsharded gradients). Every rank must call it (it communicates).
+    ``model.parameters()`` may be taken at any point of a step: where a group
+    registers its unsharded parameters (``set_reshard_after_backward(False)``,
+    ``unshard()``), their sharded parameters' gradients are clipped, the ones the
+    optimizer steps with (``torch.nn.utils.clip_grad_norm_`` would miss them).
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    params = list({id(s): s for s in map(sharded_of, params)}.values())
     by_mesh: dict[object, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:

@@ -8,7 +8,8 @@ global batch and, in the same process, a plain replica (same seed) on the whole 
 initial full parameters, then per step the rank-averaged loss, the full gradients (``None``
 where the replica has none) and, after AdamW, the full parameters must match in fp32.
 Invariant checked throughout (``_assert_sharded_registered``): outside forward and backward
-every registered parameter is the sharded DTensor the optimizer holds.
+every registered parameter is the sharded DTensor the optimizer holds, or, for a group that
+is not sharded, what torch's FSDP2 registers then (its unsharded parameters).
 
 The names keep a leading underscore: they are these test modules' own helpers, imported by
 name from here.
@@ -28,6 +29,7 @@ from models import ResidualNet, make_batch, shard_model
 from torch.distributed.tensor import DTensor
 
 from fsdp2 import fully_shard
+from fsdp2._core.unsharded import sharded_of
 
 IN, D, OUT = 5, 6, 3  # ResidualNet's sizes; D=6 on 4 ranks: chunks of 2, 2, 2, 0 rows
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # gradients and parameters
@@ -50,16 +52,19 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _assert_sharded_registered(model: nn.Module, params: list[nn.Parameter] | None) -> None:
-    """Every registered parameter is an nn.Parameter(DTensor), the one in ``params``."""
+    """Every registered parameter is an nn.Parameter(DTensor), the one in ``params``, or
+    (a group that is not sharded: the root after a forward, as on torch's FSDP2) a temporary
+    of that parameter's group."""
     registered = list(model.parameters())
     for name, p in model.named_parameters():
+        p = sharded_of(p)
         assert isinstance(p, nn.Parameter) and isinstance(p, DTensor), (
             f"{name} is registered as {type(p).__name__} outside forward/backward"
         )
     if params is not None:
         assert len(registered) == len(params)
         for (name, p), q in zip(model.named_parameters(), params, strict=True):
-            assert p is q, f"{name} is not the parameter object the optimizer holds"
+            assert sharded_of(p) is q, f"{name} is not the parameter object the optimizer holds"
 
 
 def _mse_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -87,7 +92,7 @@ def _compare_training(
     ``before_step(model, step)`` sets per-step flags on both models; with ``eval_each_step``
     a ``no_grad`` forward on this rank's slice precedes each step and must match the
     replica's. Outside forward and backward, every registered parameter must be the sharded
-    DTensor the optimizer holds.
+    DTensor the optimizer holds, or a temporary of a group that is not sharded.
     """
     torch.manual_seed(0)
     ref = build()

@@ -14,6 +14,10 @@ norm):
   plain total norm ("Cannot run aten.mul.Tensor on inputs with different meshes").
   ``fsdp2.clip_grad_norm_`` (one norm per mesh, combined, then one clip per mesh)
   matches the reference for both engines.
+
+And ``fsdp2.clip_grad_norm_(model.parameters())`` while every group keeps its unsharded
+parameters registered (``set_reshard_after_backward(False)``): it clips the sharded gradients
+behind them, where torch's finds none.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from tp_models import (
 )
 
 import fsdp2
+from fsdp2._core.unsharded import sharded_of
 
 WORLD_SIZE = 4
 MAX_NORM = 0.05  # below every total norm seen here, so clipping scales
@@ -110,3 +115,40 @@ def _clip(setup: str, engine: str) -> None:
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_clip_grad_norm(engine: str, setup: str) -> None:
     run_on_ranks(WORLD_SIZE, _clip, setup, engine)
+
+
+def _clip_while_unsharded() -> dict[str, float]:
+    """``set_reshard_after_backward(False)`` on every module: after the backward every group
+    keeps its unsharded parameters registered (as on torch's FSDP2), which have no gradient
+    (it was reduced into the sharded parameters)."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = build("mlp_head")
+    torch.manual_seed(0)
+    model = shard_model(build("mlp_head"), fsdp2.fully_shard, world_mesh())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # before any forward: the sharded ones
+    model.set_reshard_after_backward(False)
+    x = torch.randn(8, 7, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(8, 2, generator=torch.Generator().manual_seed(2))
+    F.mse_loss(ref(x), y).backward()
+    F.mse_loss(model(rank_slice(x, rank, size)), rank_slice(y, rank, size)).backward()
+    registered = list(model.parameters())
+    assert not any(isinstance(p, DTensor) for p in registered), "all registered unsharded"
+    assert all(p.grad is None for p in registered)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+    norm = fsdp2.clip_grad_norm_(registered, MAX_NORM)
+    check_close(norm, ref_norm, "total norm")
+    refs = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        grad = sharded_of(p).grad
+        assert isinstance(grad, DTensor), name
+        check_close(grad.full_tensor(), refs[name].grad, f"clipped grad {name}")
+    opt.step()
+    return {"torch": float(torch.nn.utils.clip_grad_norm_(registered, MAX_NORM))}
+
+
+def test_fsdp2_clip_while_unsharded() -> None:
+    """``fsdp2.clip_grad_norm_(model.parameters())`` clips the sharded gradients behind the
+    registered unsharded parameters; torch's finds no gradient there (norm 0)."""
+    out = run_on_ranks(2, _clip_while_unsharded)
+    assert out[0]["torch"] == 0.0, out

@@ -73,6 +73,7 @@ from fsdp2._core.small_shard import SmallShard
 from fsdp2._core.storage import alloc_storage as _alloc
 from fsdp2._core.storage import free_storage as _free
 from fsdp2._core.transport import Pending, copy_out
+from fsdp2._core.unsharded import track
 from fsdp2.api import MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["ParamGroup", "Sharded"]
@@ -114,10 +115,6 @@ class ParamGroup(GroupLayout):
         self._pending_ag: Pending | Received | None = None
         self._pending_ag_small = False
         self._gathered_at = 0  # _sharded_version() when the last all-gather was issued
-        # unshard() of its module: parameters() gives the unsharded ones, as registered, until
-        # the group reshards or a forward uses it (see [Note: optimizers holding unsharded
-        # parameters] in unsharded.py)
-        self.by_user = False
         self.small: SmallShard | None = None  # reshard_after_forward=int, see update()
         self._restore_hooks: list[Any] = []  # see release_unread
         super().__init__(params, info, mp_policy, offload_policy, name)
@@ -293,6 +290,7 @@ class ParamGroup(GroupLayout):
                 for p in self.ext_params:
                     p.ext.alloc(self.path)  # type: ignore[union-attr]
                 self.small.copy_out(rows[0])
+                self.small.release(self.path)
             elif self.ext_params:
                 self.copy_out_ext(rows[0])
             else:
@@ -333,9 +331,13 @@ class ParamGroup(GroupLayout):
             return
         if self.sharded_state is not Sharded.UNSHARDED:
             return
-        self.by_user = False
+        faces = None
         if to_small and self.small is not None:
-            self.small.keep(self.unsharded_segments(), as_bytes=bool(self.ext_params))
+            self.small.keep(self.unsharded_segments(), bool(self.ext_params), self.path)
+            built = self.small.faces is None
+            faces = self.small.fill_faces(self.flat_params, self.path)
+            if built:
+                track(self)  # the optimizer check knows the faces
             self.sharded_state = Sharded.SMALL
         else:
             self.sharded_state = Sharded.SHARDED
@@ -346,12 +348,19 @@ class ParamGroup(GroupLayout):
         for p in self.ext_params:
             p.ext.free(self.path)  # type: ignore[union-attr]
         self.register_sharded()
+        if faces is not None:  # see [Note: the parameters between forward and backward]
+            for p, face in zip(self.flat_params, faces, strict=True):
+                if face is not None:
+                    for m, n in p.owners:
+                        m._parameters[n] = face  # type: ignore[assignment]  # a Parameter
 
     def drop_small(self) -> None:
-        """Forget the ``reshard_after_forward=int`` copy (its step is over)."""
+        """Forget the ``reshard_after_forward=int`` copy (its step is over) and register
+        the sharded parameters."""
         if self.small is not None:  # None if reshard_after_forward changed meanwhile
-            self.small.flat = None
+            self.small.release(self.path)
         self.sharded_state = Sharded.SHARDED
+        self.register_sharded()
 
     def after_forward(self) -> None:
         """Reshard per ``reshard_after_forward`` at the end of a training forward."""

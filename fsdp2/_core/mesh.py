@@ -308,27 +308,27 @@ def _shard_rows(info: MeshInfo) -> list[list[int]]:
     return rows
 
 
-def post_forward_group(info: MeshInfo, reshard_size: int) -> tuple[dist.ProcessGroup, int]:
-    """The group of ``reshard_size`` consecutive shard ranks this rank belongs to
-    (for ``reshard_after_forward=int``), and this rank's index in it.
+def post_forward_mesh(info: MeshInfo, reshard_size: int) -> DeviceMesh:
+    """The 2D mesh whose rows are blocks of ``reshard_size`` consecutive shard ranks (for
+    ``reshard_after_forward=int``): its dim 1 is the group the backward all-gathers over,
+    and the parameters registered between forward and backward are DTensors on it
+    (``(Replicate(), Shard(d))``, as torch's FSDP2 registers them).
 
-    Creating groups is collective: every rank creates every block's group in
-    the same order, so all ranks must call this with the same arguments. The
-    groups are cached per mesh (``mesh_cache``), so they live and die with it.
+    Creating it is collective (its process groups): every rank must call this with the same
+    arguments. Cached per mesh (``mesh_cache``), so it lives and dies with ``info.mesh``.
     """
-    cache = mesh_cache(info.mesh).block_groups
-    if reshard_size not in cache:
-        rows = _shard_rows(info)
-        cache[reshard_size] = [
-            (tuple(row[i : i + reshard_size]), dist.new_group(row[i : i + reshard_size]))
-            for row in rows
+    cache = mesh_cache(info.mesh).block_meshes
+    mesh = cache.get(reshard_size)
+    if mesh is None:
+        blocks = [
+            row[i : i + reshard_size]
+            for row in _shard_rows(info)
             for i in range(0, len(row), reshard_size)
         ]
-    rank = dist.get_rank()
-    for ranks, group in cache[reshard_size]:
-        if rank in ranks:
-            return group, ranks.index(rank)
-    raise AssertionError(f"rank {rank} is not in mesh {info.mesh}")
+        with unset_fake_temporarily():  # real tensors (fsdp2.estimate_memory's fake mode)
+            ranks = torch.tensor(blocks, dtype=torch.int)
+            mesh = cache[reshard_size] = DeviceMesh(info.mesh.device_type, ranks)
+    return mesh
 
 
 def separate_shard_group(info: MeshInfo) -> dist.ProcessGroup:
@@ -349,13 +349,11 @@ def separate_shard_group(info: MeshInfo) -> dist.ProcessGroup:
 class MeshCache:
     """What fsdp2 derives from a ``DeviceMesh`` once and reuses: DTensor specs shared by
     every parameter of one layout (building one per parameter would dominate
-    ``fully_shard``'s time) and process groups (creating them is collective)."""
+    ``fully_shard``'s time), process groups and meshes (creating them is collective)."""
 
     specs: dict[tuple[Any, ...], DTensorSpec] = field(default_factory=dict)
     unflattened: dict[tuple[str, ...], DeviceMesh] = field(default_factory=dict)
-    block_groups: dict[int, list[tuple[tuple[int, ...], dist.ProcessGroup]]] = field(
-        default_factory=dict
-    )
+    block_meshes: dict[int, DeviceMesh] = field(default_factory=dict)
     separate_group: dist.ProcessGroup | None = None
     self_group: dist.ProcessGroup | None = None
     placeholders: dict[tuple[torch.dtype, torch.device], torch.Tensor] = field(default_factory=dict)

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
 import torch.nn as nn
 
 from fsdp2._core import relayout
-from fsdp2._core.group import ParamGroup
+from fsdp2._core.group import ParamGroup, Sharded
 from fsdp2._core.mesh import separate_shard_group
 from fsdp2._core.slot import TrainingState
 from fsdp2._core.state import FSDPState, state_of
@@ -95,7 +95,6 @@ class FSDPModule:
             if g.stale():  # values loaded or stepped since it was gathered
                 g.reshard()
             g.unshard()
-            g.by_user = True  # parameters() gives the registered (unsharded) ones, as torch's
         handle = UnshardHandle(state)
         if async_op:
             return handle
@@ -372,32 +371,15 @@ class FSDPModule:
             return
         state.ctx.reset()
 
-    def named_parameters(
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, nn.Parameter]]:
-        """``nn.Module.named_parameters``, except that outside forward and backward it gives
-        the sharded parameters of the groups fsdp2 keeps unsharded (the root's between a
-        training forward and its backward, with ``set_reshard_after_backward(False)``, after
-        a create_graph backward): an optimizer built, gradients clipped or zeroed,
-        parameters frozen then see the parameters they must. The unsharded ones are the
-        module attributes meanwhile (``module.weight``). After ``unshard()`` it gives the
-        unsharded ones, as registered (as torch's FSDP2), until the group reshards or a
-        forward uses it. See [Note: optimizers holding unsharded parameters] in
-        unsharded.py."""
-        items = super().named_parameters(prefix, recurse, remove_duplicate)  # type: ignore[misc]
-        state = state_of(self)  # type: ignore[arg-type]
-        # before the first forward (no step context) only unshard() unshards: nothing to map
-        sharded = state.ctx.sharded_for() if state is not None and state.ctx is not None else None
-        if not sharded:
-            return items  # type: ignore[no-any-return]
-        return ((n, sharded.get(id(t), t)) for n, t in items)
-
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """``nn.Module.zero_grad``, also for the sharded parameters of groups ``unshard()``
-        left unsharded (``parameters()`` gives their unsharded ones then)."""
+        """``nn.Module.zero_grad``, also for the sharded parameters of groups registered
+        unsharded (``parameters()`` gives their unsharded ones then: after a forward whose
+        backward has not run, ``unshard()``, ``set_reshard_after_backward(False)``), whose
+        gradients the optimizer steps with. torch's FSDP2 leaves those, so the next
+        backward adds to the last step's gradients there."""
         super().zero_grad(set_to_none)  # type: ignore[misc]
         for g in self._groups(recurse=True):
-            if not g.by_user:
+            if g.sharded_state is Sharded.SHARDED:
                 continue
             for p in g.params:
                 grad = p.sharded.grad

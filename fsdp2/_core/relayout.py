@@ -67,7 +67,6 @@ def before_forward(group: ParamGroup) -> None:
     older than its sharded parameters, so that the forward gathers the new ones ([Note:
     stale unsharded] in group.py). Issues no collective; may raise (``ValueError``)."""
     sync_requires_grad(group)
-    group.by_user = False
     if group.stale():
         group.reshard()
 

@@ -229,20 +229,14 @@ class FSDPState:
                 done = True
             if done:
                 self.slot.to(TrainingState.IDLE, "end of forward")
-                for g in self.groups:
-                    if training:
-                        g.after_forward()
-                    else:
-                        g.reshard()
+                for g in self.groups:  # as torch's FSDP2, with or without grad
+                    g.after_forward()
             if training:
                 ctx.post_fwd_order.append(self.slot)
         if training:
             self._register_pre_backward(output)
         if self.is_root:
             ctx.end_forward()
-            if not training:
-                for g in ctx.groups:
-                    g.reshard()
         return self._cast_output(output)
 
     def _cast_output(self, output: Any) -> Any:

@@ -1,10 +1,12 @@
 """State-dict hooks: sharded models load full (unsharded) tensors too.
 
 ``model.state_dict()`` returns the sharded parameters, DTensors, under their original
-names (detached), also while fsdp2 keeps the group unsharded (after ``unshard()``: the
-registered, unsharded ones, as ``parameters()`` gives); loading copies into the sharded
-parameters (registered for the load) and the ``fully_shard`` module reshards the group
-afterwards. A post-hook
+names (detached): as torch's FSDP2, a state-dict pre-hook on each module owning managed
+parameters reshards its groups first (after a forward whose backward has not run, after
+``unshard()``, between micro-batches with ``set_reshard_after_backward(False)``), so that
+the sharded parameters are registered afterwards too; a later forward or backward gathers
+them again. Loading copies into the sharded parameters (registered for the load) and the
+``fully_shard`` module reshards the group afterwards. A post-hook
 also re-wraps each value so that its wrapper has storage offset 0 (see ``param._wrap``:
 torch 2.13 cannot pickle a DTensor whose local tensor is a view at an offset, which ours
 are; ``detach()`` builds a new wrapper). Loading copies each value into its DTensor
@@ -35,6 +37,7 @@ def register_state_dict_hooks(group: ParamGroup) -> None:
         for m, name in p.owners:
             by_module.setdefault(id(m), (m, []))[1].append((name, p))
     for m, entries in by_module.values():
+        m.register_state_dict_pre_hook(_Reshard(group))
         m.register_load_state_dict_pre_hook(_ShardFullTensors(group, entries))
         m.register_load_state_dict_post_hook(_AdoptAssigned(group))
         m.register_state_dict_post_hook(_Picklable(group, entries))
@@ -55,11 +58,21 @@ def register_load_reshard(modules: list[nn.Module], groups: list[ParamGroup]) ->
         m.register_load_state_dict_post_hook(reshard)
 
 
+class _Reshard:
+    """State-dict pre-hook: reshard the group (torch's FSDP2 does the same), so that the
+    state dict holds, and the module registers, the sharded parameters."""
+
+    def __init__(self, group: ParamGroup) -> None:
+        self.group = group
+
+    def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if self.group.sharded_state is not Sharded.SHARDED:
+            self.group.reshard()
+
+
 class _Picklable:
-    """State-dict post-hook: the sharded parameters' values, also while fsdp2 keeps the
-    group unsharded (after a forward whose backward has not run, ...; after ``unshard()``
-    the registered ones, as ``parameters()``), and DTensor values get a zero-offset wrapper
-    (same local tensor)."""
+    """State-dict post-hook: DTensor values get a zero-offset wrapper (same local
+    tensor)."""
 
     def __init__(self, group: ParamGroup, entries: list[tuple[str, Any]]) -> None:
         self.group = group
@@ -68,12 +81,8 @@ class _Picklable:
     def __call__(
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
     ) -> None:
-        g = self.group
-        unsharded = g.sharded_state is Sharded.UNSHARDED and not g.by_user
-        for name, p in self.entries:
+        for name, _ in self.entries:
             value = state_dict.get(prefix + name)
-            if unsharded and value is not None:
-                value = state_dict[prefix + name] = p.sharded.detach()
             if isinstance(value, DTensor) and value.storage_offset() != 0:
                 state_dict[prefix + name] = _wrap(
                     value._local_tensor, value._spec, value.requires_grad
@@ -104,7 +113,6 @@ class _ShardFullTensors:
             # load into the sharded parameters; the fully_shard module's post-hook reshards
             # once its whole subtree has read its values (which may view the unsharded ones)
             self.group.register_sharded()
-            self.group.by_user = False
         for name, p in self.entries:
             key = prefix + name
             value = state_dict.get(key)

@@ -337,21 +337,6 @@ class StepContext:
         self.fwd_order = []
         self.post_fwd_order = []
 
-    def sharded_for(self) -> dict[int, torch.Tensor]:
-        """``id(unsharded parameter) -> sharded parameter`` for the groups fsdp2 keeps
-        unsharded now (not after ``unshard()``), outside forward and backward: what
-        ``FSDPModule.named_parameters`` yields instead of the registered parameters; see
-        [Note: optimizers holding unsharded parameters] in unsharded.py."""
-        if self.phase is not StepPhase.IDLE:
-            return {}
-        return {
-            id(p.unsharded): p.sharded
-            for g in self.groups
-            if g.sharded_state is Sharded.UNSHARDED and not g.by_user
-            for p in g.params
-            if p.unsharded is not None
-        }
-
     def finish_backward(self) -> None:
         """The root's final callback: see [Note: one step]."""
         with label("hook", "final_callback"):

@@ -1,26 +1,24 @@
-"""The unsharded parameters an optimizer must never hold, and the check at every optimizer
-step that none does.
+"""The parameters an optimizer must never hold, and the check at every optimizer step that
+none does.
 
 # [Note: optimizers holding unsharded parameters]
-# Outside forward and backward a module's registered parameters are normally its sharded
-# DTensors, the ones an optimizer must update. While a group is unsharded (a training forward
-# keeps the root's for its backward; ``set_reshard_after_backward(False)``; a create_graph
-# backward's hold; ``unshard()``) the modules hold the unsharded parameters instead: copies
-# the next all-gather overwrites, whose gradients are reduced away. An optimizer built from
-# them trains nothing, silently (torch's FSDP2 does that after a sanity forward). So:
+# A module registers what torch's FSDP2 registers (``reshard_after_forward``'s docs): the
+# sharded DTensors, except while a group is unsharded (the root between a training forward
+# and its backward; ``reshard_after_forward=False``; ``set_reshard_after_backward(False)``
+# between micro-batches; ``unshard()``; a create_graph backward's hold), when it registers the
+# unsharded parameters, and between forward and backward with ``reshard_after_forward=int``,
+# when it registers the faces on the smaller mesh ([Note: the parameters between forward and
+# backward] in small_shard.py). ``parameters()``, ``named_parameters()``, ``get_parameter()``
+# and the attributes all give the registered ones, as on torch's FSDP2.
 #
-# * ``FSDPModule.named_parameters`` (so ``parameters()``, ``requires_grad_``, ``zero_grad``)
-#   gives the sharded parameters of the groups the engine keeps unsharded, outside forward and
-#   backward (``StepContext.sharded_for``). The module attributes still hold the unsharded
-#   ones (a chunked loss calls the head outside the forward), and so does ``parameters()``
-#   after a user's ``unshard()`` (``ParamGroup.by_user``: torch's behaviour, which scripts
-#   use to read the unsharded values) until the group reshards or a forward uses it;
-# * a plain submodule's ``parameters()`` (one fsdp2 did not wrap) and ``unshard()`` still
-#   hand out unsharded tensors. Every group's unsharded parameters are tracked here (the
-#   groups weakly) and a global optimizer step pre-hook
-#   (``torch.optim.optimizer.register_optimizer_step_pre_hook``, installed by the first
-#   ``fully_shard``) raises before a step that would update one, naming the parameter and
-#   the fix. The cost is one dictionary lookup per parameter per step.
+# The unsharded parameters and the faces are temporaries: the next all-gather overwrites them
+# and their gradients are reduced away. An optimizer built from them (after a sanity forward,
+# between micro-batches) trains nothing, silently, on torch's FSDP2. Here every group's
+# temporaries are tracked (the groups weakly) and a global optimizer step pre-hook
+# (``torch.optim.optimizer.register_optimizer_step_pre_hook``, installed by the first
+# ``fully_shard``) raises before a step that would update one, naming the parameter and the
+# fix; every rank built its optimizer the same way, so every rank raises, before any
+# collective. The cost is one dictionary lookup per parameter per step.
 """
 
 from __future__ import annotations
@@ -31,14 +29,15 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-__all__ = ["install_optimizer_check", "track"]
+__all__ = ["install_optimizer_check", "sharded_of", "track"]
 
 # Every group's parameters, tracked weakly (a weak reference to an unsharded parameter itself
 # would stop ``torch.utils.swap_tensors``, which relayouts use): the check looks parameters
 # up by identity in a map rebuilt whenever a group's parameter objects changed.
 _GROUPS: weakref.WeakSet[Any] = weakref.WeakSet()
 _epoch = 0
-_Entry = tuple[weakref.ref[Any], int, bool]  # (group, index in group.params, sharded face)
+# (group, index in group.params, which face: "unsharded", "sharded" or "small")
+_Entry = tuple[weakref.ref[Any], int, str]
 _map: tuple[int, dict[int, _Entry]] = (-1, {})
 _installed = False
 
@@ -52,9 +51,10 @@ def track(group: Any) -> None:
 
 
 def _tracked_map() -> dict[int, _Entry]:
-    """``id(parameter) -> (its group, its index in group.params, whether it is the sharded
-    face)``: every unsharded parameter, and the sharded ones of groups with one shard rank
-    (which may forward on views of them: [Note: steps between forward and backward])."""
+    """``id(parameter) -> (its group, its index in group.params, which face)``: every
+    unsharded parameter and face on the smaller mesh, and the sharded parameters of groups
+    with one shard rank (which may forward on views of them: [Note: steps between forward
+    and backward])."""
     global _map
     if _map[0] != _epoch:
         found: dict[int, _Entry] = {}
@@ -62,11 +62,33 @@ def _tracked_map() -> dict[int, _Entry]:
             ref = weakref.ref(g)
             for i, p in enumerate(g.params):
                 if p.unsharded is not None:
-                    found[id(p.unsharded)] = (ref, i, False)
+                    found[id(p.unsharded)] = (ref, i, "unsharded")
                 if g.world == 1:
-                    found[id(p.sharded)] = (ref, i, True)
+                    found[id(p.sharded)] = (ref, i, "sharded")
+            faces = g.small.faces if g.small is not None else None
+            for face, p in zip(faces or (), g.flat_params, strict=False):
+                if face is not None:
+                    found[id(face)] = (ref, g.params.index(p), "small")
         _map = (_epoch, found)
     return _map[1]
+
+
+def sharded_of(t: torch.Tensor) -> torch.Tensor:
+    """The sharded parameter whose temporary ``t`` is (an unsharded parameter, a face on
+    the smaller mesh), else ``t`` itself: for fsdp2's own functions that take
+    ``model.parameters()`` at any point of a step (``fsdp2.clip_grad_norm_``)."""
+    entry = _tracked_map().get(id(t)) if _GROUPS else None
+    if entry is None or entry[2] == "sharded":
+        return t
+    group = entry[0]()
+    if group is None:
+        return t
+    fp = group.params[entry[1]]
+    return fp.sharded if fp.unsharded is t or _is_face(group, t) else t  # else: a stale id
+
+
+def _is_face(group: Any, t: torch.Tensor) -> bool:
+    return group.small is not None and any(f is t for f in group.small.faces or ())
 
 
 def install_optimizer_check() -> None:
@@ -91,22 +113,32 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
             if group is None:
                 continue
             fp = group.params[entry[1]]
-            if entry[2]:  # a sharded parameter of a group with one shard rank
+            face = entry[2]
+            if face == "sharded":  # a sharded parameter of a group with one shard rank
                 if fp.sharded is p and p.grad is not None and group.aliased:
                     written[id(group)] = group
                 continue
-            if fp.unsharded is not p:
+            if face == "unsharded" and fp.unsharded is not p:
                 continue  # an id that outlived its parameter
+            if face == "small" and not _is_face(group, p):
+                continue
+            what = (
+                "unsharded parameter"
+                if face == "unsharded"
+                else "parameter resharded to the smaller mesh (reshard_after_forward=int)"
+            )
             raise RuntimeError(
-                f"fsdp2: {type(optimizer).__name__}.step() would update the unsharded "
-                f"parameter {fp.fqn} (param_groups[{i}]['params'][{j}]) "
-                f"of fully_shard({group.name}), a temporary copy that the next all-gather "
-                "overwrites: the optimizer was built while that module's parameters were "
-                "unsharded (after a forward whose backward had not run, or unshard()), "
-                "from a module whose parameters() gives the registered tensors. Build the "
-                "optimizer from the sharded parameters: before the first forward, after a "
-                "backward or model.reshard(), or from the fully_shard module's "
-                "parameters(). See docs/reliability.md (call orders)"
+                f"fsdp2: {type(optimizer).__name__}.step() would update the {what} "
+                f"{fp.fqn} (param_groups[{i}]['params'][{j}]) of fully_shard({group.name}), "
+                "a temporary that the next all-gather overwrites and whose gradient is "
+                "reduced away: the optimizer was built from parameters() while that "
+                "module's parameters were not sharded (between a forward and its backward, "
+                "between micro-batches with set_reshard_after_backward(False), or after "
+                "unshard()), when parameters() gives the registered temporaries, as on "
+                "torch's FSDP2 (which would train nothing, silently). Build the optimizer "
+                "from the sharded parameters: before the first forward, after a backward, "
+                "or after model.reshard() on every FSDP module. See docs/reliability.md "
+                "(call orders)"
             )
     for group in written.values():  # see [Note: steps between forward and backward]
         torch.autograd.graph.increment_version(group.sharded_flat)

@@ -4,8 +4,8 @@ beside fsdp2 where it gets them right (equal to fsdp2 bitwise then: same kernels
 
 * freezing part of the model mid-run (``requires_grad_(False)`` after some steps, and back);
 * an optimizer built after a forward whose backward has not run (the root's parameters are
-  unsharded then), and one built from a plain submodule's ``parameters()`` then (a clear
-  error at its first step);
+  unsharded and registered then, as on torch's FSDP2), from the model's or a plain
+  submodule's ``parameters()`` (a clear error at its first step);
 * an optimizer step between ``unshard()`` and the next forward (the unsharded copy is stale);
 * double backward: a gradient penalty ``torch.autograd.grad(loss, x, create_graph=True)``,
   then one backward of loss + penalty, or of the penalty alone; ``backward(create_graph=True)``
@@ -175,9 +175,19 @@ def _optimizer_after_forward(mode: str) -> None:
         model.requires_grad_(True)
     else:  # a sanity forward (with grad) whose backward never runs
         model(mine(x))
+    # as torch's FSDP2: the root registers its unsharded parameters until it reshards
     params = list(model.parameters())
-    assert all(isinstance(p, DTensor) for p in params), "parameters() gave unsharded tensors"
-    opt = torch.optim.SGD(params, lr=0.1)
+    assert not isinstance(params[0], DTensor), "the root's inp.weight is registered unsharded"
+    bad = torch.optim.SGD(params, lr=0.1)
+    _loss(model, mine(x), mine(y)).backward()
+    msg = _message(bad.step)  # on every rank, before the step changed anything
+    assert "SGD.step() would update the unsharded parameter inp.weight" in msg, msg
+    assert "model.reshard()" in msg, msg
+    bad.zero_grad()
+    model.zero_grad()
+    # what the message says: build it from the sharded parameters
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert all(isinstance(p, DTensor) for p in opt.param_groups[0]["params"])
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(3):
         x, y = _batch(step + 1)
@@ -194,8 +204,9 @@ def _optimizer_after_forward(mode: str) -> None:
 
 @pytest.mark.parametrize("mode", ["sanity forward", "frozen"])
 def test_optimizer_built_after_forward(mode: str) -> None:
-    """torch's FSDP2 hands the optimizer the root's unsharded tensors here and trains them
-    wrong; fsdp2's ``parameters()`` gives the sharded ones."""
+    """torch's FSDP2 hands the optimizer the root's unsharded tensors here (its
+    ``parameters()`` gives the registered ones, and so does fsdp2's) and trains nothing;
+    fsdp2 raises at the first ``step()``, naming the parameter and the fix."""
     run_on_ranks(2, _optimizer_after_forward, mode)
 
 

@@ -3,7 +3,8 @@
 Structure: the class swap, slicing a sharded ``nn.Sequential``, the default mesh, buffers,
 the list form of ``fully_shard``.
 Invariants: unsharded parameters keep their identity across steps; outside forward and
-backward every registered parameter is the sharded DTensor the optimizer holds.
+backward every registered parameter is the sharded DTensor the optimizer holds, or what
+torch's FSDP2 registers for a group that is not sharded (tests/core/test_registration.py).
 Training runs (buffers, the list form) are compared with a plain replica as
 ``residual_training`` describes.
 """

@@ -183,10 +183,15 @@ def _behaviours() -> dict[str, Any]:
     block.lin.register_forward_pre_hook(
         lambda m, a: seen.append((not isinstance(m.weight, DTensor), m.weight.data_ptr() == ptr))
     )
-    # an optimizer built after a forward (evaluation) still holds the sharded parameters
+    # an optimizer built after a forward (evaluation) and reshard() holds the sharded
+    # parameters (before reshard() the groups kept unsharded register their unsharded ones,
+    # as torch's: tests/core/test_registration.py)
     x, y = make_batch(NAME, 0)
     with torch.no_grad():
         model(rank_slice(x, r, w))
+    for m in model.modules():
+        if isinstance(m, fsdp2.FSDPModule):
+            m.reshard()
     opt = make_optimizer("adamw", model.parameters())
     out["opt_dtensors"] = all(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"])
     ref = build(NAME)
@@ -338,6 +343,7 @@ def _per_parameter() -> dict[str, Any]:
         with CommCounter() as counter:
             x, y = make_batch("transformer", 0)
             models["all"](x[:1])
+        models["all"].reshard()  # the root keeps its parameters registered unsharded
         sizes = [c.numel for c in counter.calls if c.kind == "AG"]
         block0 = models["all"].layers[0]
         matrices = sum(p.to_local().numel() for p in block0.parameters() if p.ndim > 1)

@@ -202,7 +202,10 @@ def _small_copy_not_reused() -> None:
     fully_shard(model, mesh=mesh)
     x = torch.ones(2, IN)
     model(x)  # grad-enabled forward, no backward: model[0] keeps a 2-rank copy
-    model.reshard()  # the root keeps its params after forward; register its shards
+    # torch's contract: to modify the parameters between forward and backward, reshard first
+    # (the root keeps its unsharded parameters registered, model[0] the 2-rank copy)
+    model[0].reshard()
+    model.reshard()
     with torch.no_grad():
         for p in model[0].parameters():
             p.to_local().add_(1.0)

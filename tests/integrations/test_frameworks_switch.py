@@ -232,6 +232,7 @@ def _switch_on_ranks() -> dict[str, object]:
             out["late_error"] = None
         except RuntimeError as e:
             out["late_error"] = str(e)
+        model.reshard()  # predict() left the root's parameters registered unsharded
         out["trained"] = len(_train(model, rank))
     out["restored"] = torch_fsdp.fully_shard is torch_fully_shard
     return out

@@ -33,7 +33,9 @@ keeping the comparison with the fp32 replica tight; bf16 numerics are the settin
 (test_parity_property.py).
 
 After every rule (``invariant``): every full parameter equals the replica's; outside forward
-and backward ``model.parameters()`` gives sharded DTensors; and, unless no-sync micro-steps
+and backward ``model.parameters()`` gives sharded DTensors or, for a group that is not
+sharded, what torch's FSDP2 registers then (its unsharded parameters, or the parameters
+resharded to the smaller mesh); and, unless no-sync micro-steps
 are pending, every full gradient equals the replica's (both ``None`` or close). A rule that
 raises one of the documented errors (``EXPECTED``) must raise it on every rank; anything
 else is ``Unexpected`` and stops the run at once with the rules so far.
@@ -62,6 +64,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
 import fsdp2
+from fsdp2._core.unsharded import sharded_of
 
 IN, DIM, HIDDEN, OUT = 5, 6, 7, 3
 ROWS_PER_RANK = 2
@@ -362,7 +365,7 @@ class CallOrders(RuleBasedStateMachine):
 
     def _opt_sharded(self) -> bool:
         assert self.opt is not None
-        return all(isinstance(p, DTensor) for g in self.opt.param_groups for p in g["params"])
+        return all(sharded_of(p) is p for g in self.opt.param_groups for p in g["params"])
 
     @precondition(lambda self: self.opt is not None and not self.unsynced)
     @rule()
@@ -371,7 +374,7 @@ class CallOrders(RuleBasedStateMachine):
         assert self.opt is not None and self.ref_opt is not None
         self.pending = []  # the replica refuses a backward through parameters stepped since
         held = [p for g in self.opt.param_groups for p in g["params"]]
-        plain = [p for p in held if not isinstance(p, DTensor)]
+        plain = [p for p in held if sharded_of(p) is not p]  # registered temporaries
         try:
             self.opt.step()
         except RuntimeError as e:
@@ -402,9 +405,9 @@ class CallOrders(RuleBasedStateMachine):
             raise self._unexpected() from None
         (self.ref if via == "model" else self.ref_opt).zero_grad(set_to_none)  # type: ignore[union-attr]
 
-    # not after unshard(): parameters() gives the unsharded tensors then (as torch's FSDP2),
-    # whose gradients the reductions took: clip before unshard() or after reshard()
-    @precondition(lambda self: not self.unsynced and not _user_unsharded(self.model))
+    # at any point: fsdp2's clip_grad_norm_ clips the sharded gradients of the groups that
+    # register their unsharded parameters meanwhile
+    @precondition(lambda self: not self.unsynced)
     @rule(max_norm=st.sampled_from([0.05, 1.0, 100.0]))
     def clip(self, max_norm: float) -> None:
         self._note(f"clip_grad_norm_({max_norm})")
@@ -513,27 +516,13 @@ class CallOrders(RuleBasedStateMachine):
             del self.model
 
 
-def _user_unsharded(model: nn.Module) -> dict[int, DTensor]:
-    """``id(unsharded parameter) -> sharded parameter`` of the groups a user's ``unshard()``
-    left unsharded: ``parameters()`` gives their registered, unsharded tensors (as torch's
-    FSDP2) until they reshard or a forward uses them."""
-    out: dict[int, DTensor] = {}
-    for m in model.modules():
-        if isinstance(m, fsdp2.FSDPModule):
-            for g in m._fsdp_state().groups:  # type: ignore[operator]
-                if g.by_user:
-                    out.update((id(p.unsharded), p.sharded) for p in g.params)
-    return out
-
-
 def _sharded_named(model: nn.Module, errors: list[str]) -> dict[str, DTensor]:
-    """``model.named_parameters()`` as sharded DTensors: outside forward and backward that is
-    what it gives, but for the groups ``unshard()`` left unsharded (mapped back here);
-    anything else that is not a DTensor is an error."""
-    by_user = _user_unsharded(model)
+    """``model.named_parameters()`` as sharded DTensors: what a group registers while it is
+    not sharded (its unsharded parameters, or its faces on the smaller mesh, as on torch's
+    FSDP2) mapped to the sharded parameters; anything else that is not one is an error."""
     out: dict[str, DTensor] = {}
     for name, p in model.named_parameters():
-        p = by_user.get(id(p), p)
+        p = sharded_of(p)
         if not isinstance(p, DTensor):
             errors.append(f"model.named_parameters() gave a {type(p).__name__} for {name}")
         else:
