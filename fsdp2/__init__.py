@@ -5,6 +5,7 @@ from fsdp2._core import compat as _compat  # noqa: F401, I001  (first: refuses a
 from typing import TYPE_CHECKING, Any
 
 from fsdp2 import optim
+from fsdp2._core import pipeline as _pipeline
 from fsdp2._core.debug import is_debug, set_debug
 from fsdp2.api import (
     AllGather,
@@ -40,6 +41,16 @@ _LAZY = {
     "Timeline": ("fsdp2.planning.timeline", "Timeline"),
     "timeline": ("fsdp2.planning.timeline", "timeline"),
 }
+
+
+def _enable_pipelining() -> None:
+    # above the engine (imports torch's pipelining): registered, not imported by the engine
+    import importlib
+
+    importlib.import_module("fsdp2.integrations.pipelining").enable()
+
+
+_pipeline.set_enabler(_enable_pipelining)
 
 
 def __getattr__(name: str) -> Any:

@@ -16,6 +16,7 @@ from fsdp2._core.group import ParamGroup, Sharded
 from fsdp2._core.mesh import separate_shard_group
 from fsdp2._core.slot import TrainingState
 from fsdp2._core.state import FSDPState, state_of
+from fsdp2._core.step import StepPhase
 from fsdp2._core.transport import BackendAlloc
 from fsdp2.api import AllGather, ReduceScatter
 
@@ -146,6 +147,52 @@ class FSDPModule:
         """Whether this module's parameters are all-gathered for backward; set
         ``False`` only when backward does not need them (e.g. an embedding)."""
         self._update(False, gather={"unshard_in_backward": bool(unshard_in_backward)})
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """``True``: every backward of this module's root leaves its finishing work (the
+        reduction of no-sync sums and late gradients, waiting for the reductions in flight,
+        resharding) to :meth:`finalize_backward`, which the caller calls after the last
+        backward, e.g. of gradient accumulation over several pipeline schedule steps.
+        Until then the gradients are not on the sharded parameters: do not step the
+        optimizer. Stays on until set ``False``. Gradient sync and resharding follow their
+        settings at the time ``finalize_backward`` runs. torch main's API (pytorch PR
+        197620).
+
+        Raises:
+            RuntimeError: called during a forward or backward of this module's root.
+        """
+        state = self._fsdp_state()
+        ctx = state.ctx
+        if ctx is not None and ctx.phase is not StepPhase.IDLE:
+            raise RuntimeError(
+                "fsdp2: set_manual_backward_finalization() called during a forward or "
+                "backward; call it between steps"
+            )
+        state.manual_finalization = bool(enabled)
+        if ctx is not None:
+            ctx.manual = bool(enabled)
+
+    def finalize_backward(self) -> None:
+        """Finish the backwards run so far, on every FSDP module under this module's root:
+        reduce (per the current :meth:`set_requires_gradient_sync`) the gradients no
+        backward reduced, wait for every reduction, land the gradients on the sharded
+        parameters and reshard per :meth:`set_reshard_after_backward`. Needed after the
+        last backward with :meth:`set_manual_backward_finalization`; otherwise it finishes
+        what no-sync backwards left (a no-op after an ordinary backward). Collective:
+        every rank calls it at the same point.
+
+        Raises:
+            RuntimeError: called during a forward or backward.
+        """
+        ctx = self._fsdp_state().ctx
+        if ctx is None:
+            return  # no forward yet: nothing to finish
+        if ctx.phase is not StepPhase.IDLE:
+            raise RuntimeError(
+                "fsdp2: finalize_backward() called during a forward or backward; call it "
+                "after the backward (after the last micro-batch's)"
+            )
+        ctx.finalize()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for compatibility: every backward already waits for its

@@ -23,6 +23,7 @@ from fsdp2._core.module import (
     share_comm_ctx,
 )
 from fsdp2._core.param import FSDPParam
+from fsdp2._core.pipeline import maybe_enable
 from fsdp2._core.placement import mesh_tag, place
 from fsdp2._core.state import FSDPState, state_of
 from fsdp2._core.state_dict import register_load_reshard, register_state_dict_hooks
@@ -168,6 +169,7 @@ def fully_shard(
         ignored_params=ignored_params,
         make_class=_fsdp_class,
     )
+    maybe_enable()  # torch's pipeline schedules: see [Note: stages under torch's schedules]
     return module
 
 

@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from fsdp2._core import relayout
 from fsdp2._core.group import ParamGroup
 from fsdp2._core.labels import hook
+from fsdp2._core.pipeline import maybe_enable
 from fsdp2._core.slot import Slot, TrainingState
 from fsdp2._core.step import StepContext, StepPhase
 from fsdp2._core.tree_checks import check_materialized, validate_tree
@@ -83,6 +84,9 @@ class FSDPState:
         self.auto_reshard = auto_reshard  # reshard_after_forward=None: the root keeps
         self.ctx: StepContext | None = None
         self.is_root = False
+        # set_manual_backward_finalization before the first forward (the context it sets
+        # is made at lazy init)
+        self.manual_finalization = False
         self.post_optim_event: torch.Event | None = None
         # its place in the step (what the step layer sees: step.py's Slot)
         name = groups[0].name.removesuffix(groups[0].mesh_tag) if groups else ""
@@ -120,6 +124,7 @@ class FSDPState:
             relayout.adopt_registered(g)
         check_materialized(groups, self.modules)
         ctx = StepContext([st.slot for st in states])
+        ctx.manual = any(st.manual_finalization for st in states)
         for st in states:
             st.ctx = ctx
             st.is_root = st is self
@@ -152,6 +157,7 @@ class FSDPState:
         if recompute:
             ctx.check_recompute(type(module).__name__)
         elif self.is_root:
+            maybe_enable()  # see [Note: stages under torch's schedules]
             ctx.begin_forward()
             if self.post_optim_event is not None:
                 if self.device.type != "cpu":  # CPU work is in program order: nothing to wait

@@ -22,6 +22,19 @@ up: the slot is the whole contract between the two layers.
 #                reduce what no post-backward reduced (unused inputs, params
 #                whose grads came late), finish every reduction, reshard, reset.
 
+# [Note: manual finalization]
+# ``set_manual_backward_finalization(True)`` (torch main's API, pytorch PR 197620) moves the
+# final callback's finishing work out of autograd: the final callback of each backward only
+# ends the backward (training states, phase), and ``finalize_backward()`` does the rest when
+# the caller says so (``StepContext.finalize``): reduce what no post-backward reduced (the
+# no-sync sums, late gradients) per the *current* sync settings, finish every reduction in
+# flight, reshard per ``reshard_after_backward``, reset. Without it the final callback calls
+# ``finalize`` itself. It serves gradient accumulation over several backwards that end
+# where autograd cannot tell (several pipeline schedule steps: pytorch issue 196641), and
+# pipeline schedules, which finish a stage's backward by hand (fsdp2/pipelining.py).
+# ``finalize_backward()`` without the mode finishes whatever a backward left (nothing, after
+# an ordinary backward), so a schedule may call it after every step.
+
 # [Note: buckets]
 # With ``set_bucket_bytes(n)`` (off by default), a group about to be all-gathered takes
 # the groups expected to run right after it along (the order ``fwd_next`` / ``bwd_next``
@@ -122,6 +135,11 @@ class StepContext:
         # backward of the graph it builds: see [Note: double backward] in higher_order.py
         self.create_graph = False
         self.hold = GraphHold()
+        # set_manual_backward_finalization: the final callback leaves the reductions, the
+        # unreduced groups and the resharding to finalize_backward(); see [Note: manual
+        # finalization]
+        self.manual = False
+        self.unfinalized = False  # a backward ended without finalizing (manual mode)
 
     # ---- all-gathers -----------------------------------------------------------
 
@@ -353,12 +371,31 @@ class StepContext:
             self.phase = StepPhase.IDLE
             self.hold.begin(self.groups, self._held_grad)
             return
+        if self.manual:  # see [Note: manual finalization]
+            for st in self.with_group:
+                st.end_step()
+            self.phase = StepPhase.IDLE
+            self.hold.end()
+            self.unfinalized = True
+            if HUB.observers:
+                HUB.step_phase("time between steps")
+            return
+        self.finalize(ended=True)
+
+    def finalize(self, ended: bool = False) -> None:
+        """Finish the backwards of the step (the final callback, or ``finalize_backward()``):
+        reduce, per the current gradient-sync settings, what no post-backward reduced (unused
+        inputs, parameters whose gradients came late, no-sync sums), finish every reduction,
+        reshard per ``reshard_after_backward``, reset. Issues collectives: every rank calls it
+        at the same point. ``ended``: a backward just ended (the final callback)."""
+        ended = ended or self.unfinalized
         for st in self.with_group:
             late: list[int] = []
             for i, g in enumerate(st.groups):
                 if has_unreduced_grads(g, st.grads[i]):  # reduce, or (no sync) accumulate
                     late.append(i)
             if late:
+                ended = True
                 with label("hook post_backward", st.groups[late[0]].path):
                     only = None if len(late) == len(st.groups) else late
                     self.post_backward(st, only, final=True)
@@ -376,8 +413,11 @@ class StepContext:
             st.end_step()
         self.phase = StepPhase.IDLE
         self.hold.end()
+        self.unfinalized = False
         if HUB.observers:
             HUB.step_phase("time between steps")
+        if not ended:
+            return
         for st in self.slots:
             for callback in st.on_backward_end:
                 callback()

@@ -14,6 +14,7 @@ from typing import Any
 import torch.nn as nn
 
 import fsdp2
+from fsdp2.integrations import pipelining
 
 __all__ = ["is_using_fsdp2", "restore_torch_fsdp", "use_fsdp2", "using_fsdp2"]
 
@@ -150,6 +151,7 @@ class _Switch:
         self.active = False
         self.torch_objects: dict[str, Any] = {}
         self.bridges: dict[str, Any] = {}
+        self.enabled_pipelining = False  # turn_on enabled fsdp2.integrations.pipelining
 
     def torch_modules(self) -> list[ModuleType]:
         mods = []
@@ -186,6 +188,9 @@ class _Switch:
                 if name in vars(mod):
                     setattr(mod, name, self.bridges[name])
         self._replace(self.torch_objects, self.bridges)
+        if not pipelining.is_enabled():  # torch's pipeline schedules run fsdp2's stages
+            pipelining.enable()
+            self.enabled_pipelining = True
         self.active = True
 
     def turn_off(self) -> None:
@@ -194,6 +199,9 @@ class _Switch:
                 if vars(mod).get(name) is self.bridges.get(name):
                     setattr(mod, name, self.torch_objects[name])
         self._replace(self.bridges, self.torch_objects)
+        if self.enabled_pipelining:
+            pipelining.disable()
+            self.enabled_pipelining = False
         self.active = False
 
     def _ours(self) -> Iterator[tuple[str, Any]]:
@@ -235,7 +243,8 @@ def use_fsdp2() -> None:
     ``CPUOffloadPolicy`` in torch's FSDP modules, ``replicate`` and ``ReplicateModule`` in
     ``torch.distributed._composable.replicate_with_fsdp``, and the same names in
     already-imported modules that copied them (accelerate's, transformers', Lightning's, a
-    training script's), at fsdp2.
+    training script's), at fsdp2; and make ``torch.distributed.pipelining``'s schedules run
+    fsdp2's stages (:func:`fsdp2.integrations.pipelining.enable`).
 
     Call it once, early: before a framework shards a model (before ``Accelerator.prepare``,
     ``Trainer.train``, ``from_pretrained(..., distributed_config=...)``, ``Fabric.setup``).
@@ -259,7 +268,8 @@ def use_fsdp2() -> None:
 
 def restore_torch_fsdp() -> None:
     """Undo :func:`use_fsdp2`: torch's objects go back wherever the switch put fsdp2's
-    (torch's modules, modules that copied them, modules imported since). Modules already
+    (torch's modules, modules that copied them, modules imported since), and the pipeline
+    schedules' integration if the switch enabled it. Modules already
     sharded by fsdp2 stay fsdp2's. A no-op when the switch is off."""
     with _SWITCH.lock:
         if _SWITCH.active:

@@ -37,7 +37,7 @@ LAYERS = [
     ["param", "extension"],
     ["collectives"],
     ["gloo", "transport"],
-    ["mesh", "settings", "storage", "labels", "debug", "unsharded", "clean_exit"],
+    ["mesh", "settings", "storage", "labels", "debug", "unsharded", "clean_exit", "pipeline"],
     ["observe", "compat"],
 ]
 BELOW_GROUP = {m for layer in LAYERS[LAYERS.index(["group"]) + 1 :] for m in layer}
