@@ -98,7 +98,7 @@ def _backward_maybe_with_nosync(
             # zero-bubble split backward: torch's code takes the parameters to compute weight
             # gradients for from submod.parameters(), which must be the unsharded ones the
             # graph used; see [Note: split backward]
-            for sub in m.modules():
+            for sub in self.submod.modules():
                 if isinstance(sub, FSDPModule):
                     sub.unshard()
     # torch's FSDP branch never sees fsdp2's modules: this runs its plain backward
