@@ -67,6 +67,23 @@ def pp_dp_mesh(pp: int) -> DeviceMesh:
     return init_device_mesh("cpu", (pp, dist.get_world_size() // pp), mesh_dim_names=("pp", "dp"))
 
 
+def dp_mesh_of(mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel mesh the stages are sharded over: ``dp`` (FSDP), or ``(rep, shard)``
+    (HSDP)."""
+    names = mesh.mesh_dim_names or ()
+    return mesh["dp"] if "dp" in names else mesh["rep", "shard"]
+
+
+def dp_coords(mesh: DeviceMesh) -> tuple[int, int]:
+    """This rank's data-parallel rank and the data-parallel size (ranks that see other data:
+    tensor-parallel ranks share their data)."""
+    dp = dp_mesh_of(mesh)
+    if dp.ndim == 1:
+        return dp.get_local_rank(), dp.size()
+    r, s = dp.get_local_rank(0), dp.get_local_rank(1)
+    return r * dp.size(1) + s, dp.size()
+
+
 def stage_indices(placement: str, pp_rank: int, pp: int) -> list[int]:
     if placement == "single":
         return [pp_rank]
@@ -95,11 +112,12 @@ def build_stages(
     shard_kwargs: dict[str, Any] | None = None,
     schedule_kwargs: dict[str, Any] | None = None,
     static_rows: int | None = None,
+    parallelize: Callable[[nn.Module], None] | None = None,
 ) -> tuple[Any, list[nn.Module]]:
     """This rank's stage modules (sharded with ``shard`` over ``mesh["dp"]``, block by block
     then the stage root) and the schedule running them. ``static_rows``: give the stages
     their micro-batch shapes (``(static_rows, dim)`` in and out), so no metadata inference
-    runs."""
+    runs. ``parallelize(stage_module)`` (tensor parallelism, say) runs before sharding."""
     cls, placement = SCHEDULES[schedule]
     pp = mesh["pp"].size()
     pp_rank = mesh["pp"].get_local_rank()
@@ -110,10 +128,13 @@ def build_stages(
     modules, stages = [], []
     for s in indices:
         part = nn.Sequential(*full[s * per_stage : (s + 1) * per_stage])
+        if parallelize is not None:
+            parallelize(part)
         if shard is not None:
+            dp = dp_mesh_of(mesh)
             for b in part:
-                shard(b, mesh=mesh["dp"], **(shard_kwargs or {}))
-            shard(part, mesh=mesh["dp"], **(shard_kwargs or {}))
+                shard(b, mesh=dp, **(shard_kwargs or {}))
+            shard(part, mesh=dp, **(shard_kwargs or {}))
         modules.append(part)
         shapes: dict[str, Any] = {}
         if static_rows is not None:
@@ -126,11 +147,8 @@ def build_stages(
                 part, s, num_stages, torch.device("cpu"), group=mesh["pp"].get_group(), **shapes
             )
         )
-    kwargs = dict(schedule_kwargs or {})
-    if placement == "single":
-        sched = cls(stages[0], n_microbatches=n_microbatches, loss_fn=mse, **kwargs)
-    else:
-        sched = cls(stages, n_microbatches=n_microbatches, loss_fn=mse, **kwargs)
+    kwargs = {"loss_fn": mse, **(schedule_kwargs or {})}
+    sched = cls(stages[0] if placement == "single" else stages, n_microbatches, **kwargs)
     return sched, modules
 
 
@@ -148,7 +166,7 @@ def run_step(
 ) -> torch.Tensor | None:
     """One schedule step on this rank's data-parallel slice; the mean micro-batch loss on
     the last stage's ranks (``None`` elsewhere)."""
-    dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    dp_rank, dp = dp_coords(mesh)
     x, y = batch(step, rows * dp, dim)
     x, y = x[dp_rank * rows : (dp_rank + 1) * rows], y[dp_rank * rows : (dp_rank + 1) * rows]
     losses: list[torch.Tensor] = []

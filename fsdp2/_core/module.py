@@ -3,24 +3,21 @@
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
-import torch.nn as nn
 
 from fsdp2._core import relayout
 from fsdp2._core.group import ParamGroup, Sharded
 from fsdp2._core.mesh import separate_shard_group
-from fsdp2._core.slot import TrainingState
 from fsdp2._core.state import FSDPState, state_of
 from fsdp2._core.step import StepPhase
 from fsdp2._core.transport import BackendAlloc
 from fsdp2.api import AllGather, ReduceScatter
 
-__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
+__all__ = ["FSDPModule", "UnshardHandle"]
 
 
 def _no_deepcopy(self: Any, memo: Any) -> NoReturn:
@@ -153,7 +150,7 @@ class FSDPModule:
         reduction of no-sync sums and late gradients, waiting for the reductions in flight,
         resharding) to :meth:`finalize_backward`, which the caller calls after the last
         backward, e.g. of gradient accumulation over several pipeline schedule steps.
-        Until then the gradients are not on the sharded parameters: do not step the
+        Until then not every gradient is on the sharded parameters: do not step the
         optimizer. Stays on until set ``False``. Gradient sync and resharding follow their
         settings at the time ``finalize_backward`` runs. torch main's API (pytorch PR
         197620).
@@ -457,49 +454,6 @@ def _prefetch_states(modules: list[FSDPModule]) -> list[FSDPState]:
             )
         states.append(m._fsdp_state())
     return states
-
-
-def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Make ``module.<method_name>`` (e.g. ``generate``) run with unsharded
-    parameters, like ``forward``: the pre/post-forward logic wraps it. A no-op
-    on modules that are not :class:`FSDPModule`.
-
-    Raises:
-        ValueError: ``module`` has no such method.
-    """
-    if not isinstance(module, FSDPModule):
-        return
-    if not hasattr(module, method_name):
-        raise ValueError(f"{type(module).__name__} has no method {method_name!r} to register")
-    orig = getattr(module, method_name)
-    state = state_of(module)
-    assert state is not None
-
-    @functools.wraps(orig)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = state._pre_forward(module, args, kwargs)
-        out = orig(*args, **kwargs)
-        if state.groups and state.slot.training_state is TrainingState.IDLE:
-            # The method called the module's own forward (Hugging Face's generate on the
-            # root): that forward's end already ended this one (resharded, registered the
-            # backward, ended the root's forward), as torch's FSDP2 leaves it.
-            return state._cast_output(out)
-        return state._post_forward(module, args, out)
-
-    setattr(module, method_name, wrapped)
-
-
-def share_comm_ctx(modules: list[FSDPModule]) -> None:
-    """Make several FSDP roots (e.g. pipeline-parallel stages) share
-    communication resources. fsdp2 owns no streams or buffers per root (c10d
-    runs collectives on the process group's streams), so this only validates.
-
-    Raises:
-        ValueError: an element is not an :class:`FSDPModule`.
-    """
-    for m in modules:
-        if not isinstance(m, FSDPModule):
-            raise ValueError(f"share_comm_ctx expects FSDP modules, got {type(m).__name__}")
 
 
 def _on_stream(hook: Callable[[torch.Tensor], None], stream: Any) -> Callable[[torch.Tensor], None]:

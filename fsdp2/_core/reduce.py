@@ -132,6 +132,23 @@ def has_unreduced_grads(group: ParamGroup, state: GradState) -> bool:
     )
 
 
+def bank_grads(group: ParamGroup, state: GradState, divide_by: float) -> None:
+    """Move the unsharded gradients computed since the last bank, divided by
+    ``divide_by``, into the no-sync sums of ``state`` (in ``reduce_dtype`` if set): a
+    later backward adds to fresh ``.grad``, so only this share is divided."""
+    acc = state.acc
+    dtype = group.reduce_dtype
+    for p in group.grad_params:
+        u = p.unsharded
+        g = None if u is None else u.grad
+        if u is None or g is None:
+            continue
+        u.grad = None
+        g = (g if dtype is None else g.to(dtype)).div_(divide_by)
+        prev = acc.get(id(p))
+        acc[id(p)] = g if prev is None else prev.add_(g)
+
+
 def accumulate_in_reduce_dtype(group: ParamGroup, state: GradState) -> None:
     """Without gradient sync, keep the running sum in ``reduce_dtype`` (so
     low-precision compute does not accumulate in low precision)."""

@@ -16,6 +16,9 @@ or hook: the one place they touch the core's objects, so that the core can chang
   gathers tensors of its own.
 * ``step_phase(module)``: ``"forward"`` / ``"backward"`` while a step of a root in
   ``module``'s subtree is inside one, else ``None``.
+* ``divide_unreduced_grads(module, factor)``: divide the gradients ``module``'s subtree
+  accumulated without sync since the last call (the pipeline schedules' per-step scaling,
+  under gradient accumulation over several steps), leaving earlier ones alone.
 * ``unit_settings(root)``: a read-only snapshot of what each ``fully_shard`` call under
   ``root`` runs with (reshard after forward, policies, prefetch lists), so that a layer (or
   its tests) can check what it configured without reading the core's objects.
@@ -35,6 +38,7 @@ from fsdp2._core.clean_exit import install_exit_drain
 from fsdp2._core.collectives import Into, all_gather
 from fsdp2._core.gloo import Received
 from fsdp2._core.mesh import comm_device_type
+from fsdp2._core.reduce import bank_grads
 from fsdp2._core.slot import Slot
 from fsdp2._core.state import FSDPState, state_of
 from fsdp2._core.step import StepPhase
@@ -47,6 +51,7 @@ __all__ = [
     "UnitSettings",
     "comm_device_type",
     "compute_device",
+    "divide_unreduced_grads",
     "gather_pieces",
     "install_exit_drain",
     "managed_params",
@@ -91,6 +96,16 @@ def managed_params(
                 group.reshard()
             out.extend(ManagedParam(p.sharded, tuple(p.owners)) for p in group.params)
     return out
+
+
+def divide_unreduced_grads(module: nn.Module, factor: float) -> None:
+    """Divide by ``factor`` the unsharded gradients every group in ``module``'s subtree
+    accumulated since the last call, and keep them aside with the earlier ones (the no-sync
+    sums the next reduction adds in): one share of a gradient accumulated over several
+    schedule steps, scaled once. Between steps only (no collective)."""
+    for st in _states(module, recurse=True):
+        for group, state in zip(st.groups, st.slot.grads, strict=True):
+            bank_grads(group, state, factor)
 
 
 def gather_pieces(

@@ -4,6 +4,7 @@ modules gain live in ``module.py``."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, overload
@@ -15,16 +16,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp2._core.clean_exit import install_exit_drain
 from fsdp2._core.group import ParamGroup
 from fsdp2._core.mesh import MeshInfo, default_mesh, mesh_info, spmd_mesh_info
-from fsdp2._core.module import (
-    FSDPModule,
-    UnshardHandle,
-    _fsdp_class,
-    register_fsdp_forward_method,
-    share_comm_ctx,
-)
+from fsdp2._core.module import FSDPModule, UnshardHandle, _fsdp_class
 from fsdp2._core.param import FSDPParam
 from fsdp2._core.pipeline import maybe_enable
 from fsdp2._core.placement import mesh_tag, place
+from fsdp2._core.slot import TrainingState
 from fsdp2._core.state import FSDPState, state_of
 from fsdp2._core.state_dict import register_load_reshard, register_state_dict_hooks
 from fsdp2._core.unsharded import install_optimizer_check
@@ -381,3 +377,46 @@ def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
         for bname, b in m._buffers.items():
             if b is not None and b.device != device and not b.is_meta:
                 m._buffers[bname] = b.to(device)
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` (e.g. ``generate``) run with unsharded
+    parameters, like ``forward``: the pre/post-forward logic wraps it. A no-op
+    on modules that are not :class:`FSDPModule`.
+
+    Raises:
+        ValueError: ``module`` has no such method.
+    """
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r} to register")
+    orig = getattr(module, method_name)
+    state = state_of(module)
+    assert state is not None
+
+    @functools.wraps(orig)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state._pre_forward(module, args, kwargs)
+        out = orig(*args, **kwargs)
+        if state.groups and state.slot.training_state is TrainingState.IDLE:
+            # The method called the module's own forward (Hugging Face's generate on the
+            # root): that forward's end already ended this one (resharded, registered the
+            # backward, ended the root's forward), as torch's FSDP2 leaves it.
+            return state._cast_output(out)
+        return state._post_forward(module, args, out)
+
+    setattr(module, method_name, wrapped)
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Make several FSDP roots (e.g. pipeline-parallel stages) share
+    communication resources. fsdp2 owns no streams or buffers per root (c10d
+    runs collectives on the process group's streams), so this only validates.
+
+    Raises:
+        ValueError: an element is not an :class:`FSDPModule`.
+    """
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"share_comm_ctx expects FSDP modules, got {type(m).__name__}")

@@ -25,7 +25,9 @@ fsdp2's modules (see [Note: pipelining]). fsdp2 calls it itself once
 #   after a synced last backward), then torch's gradient scaling. With
 #   ``set_manual_backward_finalization(True)`` on the stage it does not finalize: the
 #   gradients keep accumulating over schedule steps until the caller's
-#   ``finalize_backward()`` (scaling is refused then: it would rescale the running sum).
+#   ``finalize_backward()``, and the schedule's scaling divides this step's share only
+#   (``seam.divide_unreduced_grads``; torch's ``scale_grads`` divides the running sum, so
+#   the earlier steps' share shrinks again at every step: torchtitan issue 1733).
 # * ``_post_metadata_inference_cleanup``: reshard an fsdp2 stage and drop the gradients of
 #   the metadata inference, as torch's does for its own.
 # * ``schedules.FSDPModule``: the runtime's ``UNSHARD`` / ``RESHARD`` actions and its
@@ -61,6 +63,7 @@ import torch.nn as nn
 
 from fsdp2._core.module import FSDPModule
 from fsdp2._core.pipeline import mark_enabled, opt_out
+from fsdp2._core.seam import divide_unreduced_grads
 
 __all__ = ["disable", "enable", "is_enabled"]
 
@@ -111,14 +114,11 @@ def _perform_reduce_grad(self: Any, grad_scale_factor: int) -> None:
         m.set_requires_gradient_sync(True)
         m.set_reshard_after_backward(True)
         if m._fsdp_state().manual_finalization:
+            # accumulating over schedule steps until the caller's finalize_backward(): scale
+            # this step's share only (torch's scaling of the running sum would shrink the
+            # earlier steps' again at every step)
             if grad_scale_factor != 1:
-                raise RuntimeError(
-                    f"fsdp2: stage {self.stage_index} has set_manual_backward_finalization"
-                    "(True), so its gradients accumulate over schedule steps, and the schedule "
-                    "scales them by 1/n_microbatches at every step, which would shrink the "
-                    "earlier steps' share again each step. Build the schedule with "
-                    "scale_grads=False and scale the loss instead (as torchtitan does)"
-                )
+                divide_unreduced_grads(self.submod, grad_scale_factor)
             return
         m.finalize_backward()
     _SAVED["perform_reduce_grad"](self, grad_scale_factor)

@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 from _harness import run_on_ranks
@@ -40,6 +41,7 @@ from pipeline_models import (
     batch,
     build_full,
     build_stages,
+    dp_coords,
     pp_dp_mesh,
     run_step,
     stage_blocks,
@@ -308,3 +310,366 @@ def test_switch_enables_pipelining() -> None:
     for out in run_on_ranks(4, _switched):
         assert out["ours"] and out["enabled"] and out["disabled"], out
         assert out["reduce_scatters"] == 4 * 2, out  # 4 blocks per stage, 2 steps
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient accumulation over several schedule steps: set_manual_backward_finalization
+
+
+ACCUM = 2  # schedule steps per optimizer step
+
+
+def _accumulated(schedule: str, scale_grads: bool) -> dict[str, Any]:
+    pipelining.enable()
+    mesh = pp_dp_mesh(2)
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # the loss scaled (torchtitan), or the schedule's scaling by 1/n_microbatches
+        return F.mse_loss(out, target) / (ACCUM if scale_grads else ACCUM * N_MB)
+
+    sched, mods = build_stages(
+        schedule,
+        fsdp2.fully_shard,
+        mesh,
+        n_microbatches=N_MB,
+        schedule_kwargs={"scale_grads": scale_grads, "loss_fn": loss_fn},
+    )
+    for m in mods:
+        m.set_manual_backward_finalization(True)
+    opt = torch.optim.SGD([p for m in mods for p in m.parameters()], lr=0.1)
+    ref = build_full()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    dp = mesh["dp"].size()
+    in_steps: list[str] = []
+    for opt_step in range(2):
+        with CommCounter() as counter:
+            for k in range(ACCUM):
+                run_step(sched, mesh, opt_step * ACCUM + k, ROWS)
+        in_steps += [c.kind for c in counter.calls]
+        with CommCounter() as counter:
+            for m in mods:
+                m.finalize_backward()
+        finalized = sorted(c.kind for c in counter.calls)
+        opt.step()
+        opt.zero_grad()
+        xs, ys = zip(*(batch(opt_step * ACCUM + k, ROWS * dp) for k in range(ACCUM)), strict=True)
+        F.mse_loss(ref(torch.cat(xs)), torch.cat(ys)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    far = 0.0
+    for m, idx in zip(mods, stage_blocks(schedule, mesh), strict=True):
+        for j, block in enumerate(m):
+            for n, p in block.named_parameters():
+                want = dict(ref[idx[j]].named_parameters())[n]
+                far = max(far, (p.full_tensor() - want).abs().max().item())
+    return {"far": far, "in_steps": in_steps, "finalized": finalized}
+
+
+@pytest.mark.parametrize("scale_grads", [False, True], ids=["loss_scaled", "scale_grads"])
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_accumulation_over_schedule_steps(schedule: str, scale_grads: bool) -> None:
+    """With ``set_manual_backward_finalization(True)`` the stages' gradients accumulate over
+    two schedule steps without any reduce-scatter (all-gathers only), ``finalize_backward()``
+    reduces each block's once, and the update is the replica's on both steps' data, whether
+    the loss is scaled (``scale_grads=False``, torchtitan's way) or the schedule scales each
+    step's share (torch's ``scale_grads`` would shrink the first step's share twice)."""
+    for out in run_on_ranks(4, _accumulated, schedule, scale_grads):
+        assert out["far"] < 1e-5, out
+        assert "RS" not in out["in_steps"], out
+        assert out["finalized"] == ["RS"] * 4, out  # 4 blocks per rank's stages
+
+
+# ---------------------------------------------------------------------------------------------
+# torchtitan's composition: scale_grads=False, set_gradient_divide_factor(1.0), the loss
+# divided by the global token count, reshard_after_forward=False under PP
+
+
+def _titan(engine: str) -> dict[str, Any]:
+    pipelining.enable()
+    mesh = pp_dp_mesh(2)
+    dp = mesh["dp"].size()
+    tokens = ROWS * dp * 8  # the global batch's elements (rows x features)
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out, target, reduction="sum") / tokens
+
+    sched, mods = build_stages(
+        "Interleaved1F1B",
+        _engine(engine),
+        mesh,
+        n_microbatches=N_MB,
+        shard_kwargs={"reshard_after_forward": False},
+        schedule_kwargs={"scale_grads": False, "loss_fn": loss_fn},
+    )
+    for m in mods:
+        for sub in m.modules():
+            if hasattr(sub, "set_gradient_divide_factor"):
+                sub.set_gradient_divide_factor(1.0)
+                if engine == "torch":  # torch's asks gloo for PREMUL_SUM otherwise (refused)
+                    sub.set_force_sum_reduction_for_comms(True)
+    opt = torch.optim.AdamW([p for m in mods for p in m.parameters()], lr=1e-2)
+    comms = []
+    for step in range(2):
+        with CommCounter() as counter:
+            run_step(sched, mesh, step, ROWS)
+        comms.append(sorted((c.kind, c.numel) for c in counter.calls))
+        opt.step()
+        opt.zero_grad()
+    params = {}
+    for m, idx in zip(mods, stage_blocks("Interleaved1F1B", mesh), strict=True):
+        for j, block in enumerate(m):
+            for n, p in block.named_parameters():
+                params[f"{idx[j]}.{n}"] = p.full_tensor()
+    return {"params": params, "comms": comms}
+
+
+def _titan_both() -> dict[str, Any]:
+    runs = {e: _titan(e) for e in ("torch", "fsdp2")}
+    ref = _replica(2)
+    t, f = runs["torch"], runs["fsdp2"]
+    return {
+        "far": _far(f, ref),
+        "same": all(torch.equal(f["params"][n], p) for n, p in t["params"].items()),
+        "same_comms": t["comms"] == f["comms"],
+    }
+
+
+def test_torchtitan_composition() -> None:
+    for out in run_on_ranks(4, _titan_both):
+        assert out["far"] < 1e-5 and out["same"] and out["same_comms"], out
+
+
+# ---------------------------------------------------------------------------------------------
+# 8 ranks: PP x HSDP, PP x FSDP x TP
+
+
+def _eight(kind: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    pipelining.enable()
+    if kind == "hsdp":
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "rep", "shard"))
+        parallelize = None
+    else:
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+
+        def parallelize(part: nn.Module) -> None:
+            for b in part:  # each block's linear split by output features over tp
+                parallelize_module(
+                    b, mesh["tp"], {"lin": ColwiseParallel(output_layouts=Replicate())}
+                )
+
+    dp_rank, dp = dp_coords(mesh)
+    runs = {}
+    for engine in ("torch", "fsdp2"):
+        sched, mods = build_stages(
+            "Interleaved1F1B", _engine(engine), mesh, n_microbatches=N_MB, parallelize=parallelize
+        )
+        opt = torch.optim.AdamW([p for m in mods for p in m.parameters()], lr=1e-2)
+        comms = []
+        for step in range(2):
+            with CommCounter() as counter:
+                run_step(sched, mesh, step, ROWS)
+            comms.append(sorted((c.kind, c.numel) for c in counter.calls))
+            opt.step()
+            opt.zero_grad()
+        params = {}
+        for m, idx in zip(mods, stage_blocks("Interleaved1F1B", mesh), strict=True):
+            for j, block in enumerate(m):
+                for n, p in block.named_parameters():
+                    params[f"{idx[j]}.{n}"] = p.full_tensor()
+        runs[engine] = {"params": params, "comms": comms}
+    ref = build_full()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(2):
+        x, y = batch(step, ROWS * dp)
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    ref_params = {n: p.detach() for n, p in ref.named_parameters()}
+    t, f = runs["torch"], runs["fsdp2"]
+    return {
+        "far": _far(f, {"params": ref_params}),
+        "same": all(torch.equal(f["params"][n], p) for n, p in t["params"].items()),
+        "same_comms": t["comms"] == f["comms"],
+    }
+
+
+@pytest.mark.parametrize("kind", ["hsdp", "fsdp_tp"], ids=["PPxHSDP", "PPxFSDPxTP"])
+def test_eight_ranks(kind: str) -> None:
+    """pp=2 x (2 x 2): HSDP stages (replicate 2, shard 2), and FSDP x TP stages (each block's
+    linear column-parallel over tp=2, sharded over dp=2): fsdp2 equals torch's FSDP2 bit for
+    bit with its collectives, and the replica."""
+    for out in run_on_ranks(8, _eight, kind):
+        assert out["far"] < 1e-5 and out["same"] and out["same_comms"], out
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-parameter meshes (the shape of MoE stages: several parameter groups per fully_shard call)
+
+
+def _per_param_mesh() -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,
+        ShardPlacementResult,
+    )
+    from torch.distributed.tensor import Shard
+
+    pipelining.enable()
+    mesh = pp_dp_mesh(2)
+    # the biases on a second mesh over the same data-parallel ranks (their own process
+    # group, as experts on their expert-FSDP mesh): two groups per fully_shard call
+    other = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("pp", "x"))
+    other = other["x"]
+    results = {
+        "fsdp2": fsdp2.ShardPlacementResult(Shard(0), other),
+        "torch": ShardPlacementResult(Shard(0), FSDPMeshInfo(other, shard_mesh_dim=0)),
+    }
+    runs = {}
+    for engine in ("torch", "fsdp2"):
+        fn = (lambda r: lambda p: r if p.ndim == 1 else None)(results[engine])
+        sched, mods = build_stages(
+            "Interleaved1F1B",
+            _engine(engine),
+            mesh,
+            n_microbatches=N_MB,
+            shard_kwargs={"shard_placement_fn": fn},
+        )
+        opt = torch.optim.AdamW([p for m in mods for p in m.parameters()], lr=1e-2)
+        comms = []
+        for step in range(2):
+            with CommCounter() as counter:
+                run_step(sched, mesh, step, ROWS)
+            comms.append(sorted((c.kind, c.numel) for c in counter.calls))
+            opt.step()
+            opt.zero_grad()
+        params = {}
+        for m, idx in zip(mods, stage_blocks("Interleaved1F1B", mesh), strict=True):
+            for j, block in enumerate(m):
+                for n, p in block.named_parameters():
+                    params[f"{idx[j]}.{n}"] = p.full_tensor()
+        runs[engine] = {"params": params, "comms": comms}
+    t, f = runs["torch"], runs["fsdp2"]
+    return {
+        "far": _far(f, _replica(2)),
+        "same": all(torch.equal(f["params"][n], p) for n, p in t["params"].items()),
+        "same_comms": t["comms"] == f["comms"],
+        "reduce_scatters": sum(1 for k, _ in f["comms"][1] if k == "RS"),
+    }
+
+
+def test_per_parameter_meshes() -> None:
+    for out in run_on_ranks(4, _per_param_mesh):
+        assert out["far"] < 1e-5 and out["same"] and out["same_comms"], out
+        assert out["reduce_scatters"] == 2 * 4, out  # 2 groups per block, 4 blocks per rank
+
+
+# ---------------------------------------------------------------------------------------------
+# Call orders: evaluation between steps, freezing a block mid-run, a DCP checkpoint mid-run
+
+
+def _orders(schedule: str, path: str) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
+
+    # as torchtitan: each pipeline rank holds other parameters, so the optimizer state is
+    # saved per parameter name (a shared "param_groups" entry would be one rank's)
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    pipelining.enable()
+    mesh = pp_dp_mesh(2)
+    dp_rank, dp = dp_coords(mesh)
+    frozen = 2  # a block of the first stage, frozen after step 1
+
+    def build(engine: str) -> tuple[Any, list[nn.Module], torch.optim.Optimizer]:
+        sched, mods = build_stages(schedule, _engine(engine), mesh, n_microbatches=N_MB)
+        opt = torch.optim.AdamW([p for m in mods for p in m.parameters()], lr=1e-2)
+        return sched, mods, opt
+
+    def blocks(mods: list[nn.Module]) -> dict[int, nn.Module]:
+        idx = stage_blocks(schedule, mesh)
+        return {i: b for m, ix in zip(mods, idx, strict=True) for i, b in zip(ix, m, strict=True)}
+
+    def named(mods: list[nn.Module]) -> nn.Module:
+        """The model parts under names unique across the pipeline ranks (as torchtitan's
+        model parts keep the whole model's names): what DCP saves them under."""
+        idx = stage_blocks(schedule, mesh)
+        return nn.ModuleDict({f"from_block_{ix[0]}": m for m, ix in zip(mods, idx, strict=True)})
+
+    def full(mods: list[nn.Module]) -> dict[str, torch.Tensor]:
+        return {
+            f"{i}.{n}": p.full_tensor()
+            for i, b in blocks(mods).items()
+            for n, p in b.named_parameters()
+        }
+
+    ref = build_full()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    out: dict[str, Any] = {"eval": [], "ref_eval": []}
+    runs: dict[str, Any] = {}
+    for engine in ("torch", "fsdp2"):
+        sched, mods, opt = build(engine)
+        losses = []
+        for step in range(4):
+            if step == 2 and frozen in blocks(mods):
+                blocks(mods)[frozen].requires_grad_(False)
+            if step == 3 and engine == "fsdp2":  # a checkpoint mid-run, through DCP
+                sd, osd = get_state_dict(named(mods), opt, options=flat)  # the model parts
+                dcp.save({"model": sd, "optim": osd}, checkpoint_id=path)
+            loss = run_step(sched, mesh, step, ROWS)
+            losses.append(None if loss is None else float(loss))
+            opt.step()
+            opt.zero_grad()
+            if step == 0:  # evaluation between steps: forward only
+                x, y = batch(99, ROWS * dp)
+                ev: list[torch.Tensor] = []
+                rows = slice(dp_rank * ROWS, (dp_rank + 1) * ROWS)
+                sched.eval(x[rows], target=y[rows], losses=ev)
+                out["eval"].append([float(v) for v in ev])
+        runs[engine] = {"losses": losses, "params": full(mods)}
+    for step in range(4):  # the replica, frozen alike
+        if step == 2:
+            ref[frozen].requires_grad_(False)
+        x, y = batch(step, ROWS * dp)
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    # resume from the checkpoint in fresh stages: step 3 again gives the same parameters
+    sched, mods, opt = build("fsdp2")
+    parts = named(mods)
+    sd, osd = get_state_dict(parts, opt, options=flat)
+    state = {"model": sd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(
+        parts, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=flat
+    )
+    if frozen in blocks(mods):
+        blocks(mods)[frozen].requires_grad_(False)
+    run_step(sched, mesh, 3, ROWS)
+    opt.step()
+    resumed = full(mods)
+    t, f = runs["torch"], runs["fsdp2"]
+    return {
+        "far": _far(f, {"params": {n: p.detach() for n, p in ref.named_parameters()}}),
+        "same": all(torch.equal(f["params"][n], p) for n, p in t["params"].items()),
+        "same_losses": t["losses"] == f["losses"],
+        "resumed": all(torch.equal(resumed[n], p) for n, p in f["params"].items()),
+        "eval_same": out["eval"][0] == out["eval"][1],
+    }
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_call_orders(schedule: str, tmp_path: Any) -> None:
+    """Evaluation between steps (``schedule.eval``), a block frozen mid-run, and a DCP
+    checkpoint saved mid-run and resumed in fresh stages: fsdp2 equals torch's FSDP2 bit for
+    bit and the replica, and the resumed step equals the uninterrupted one."""
+    for out in run_on_ranks(4, _orders, schedule, str(tmp_path / "ckpt")):
+        assert out["far"] < 1e-5, out
+        assert out["same"] and out["same_losses"] and out["eval_same"], out
+        assert out["resumed"], out
