@@ -46,6 +46,7 @@ ALLOWED = {
 
 # Public modules whose __all__ need not be mentioned in api.md: module -> why.
 NOT_API = {
+    "fsdp2.planning.stage": "the estimator's pipeline-stage step; estimate_memory's to call",
     "fsdp2.planning.tracker": (
         "the memory estimator's internal dispatch mode; its __all__ feeds "
         "fsdp2.planning.estimate (PARTS is checked there)"

@@ -1,7 +1,9 @@
-"""The recipes of docs/recipes.md, rl_weight_sync.md and replicate.md run exactly as shown.
+"""The recipes of docs/recipes.md, rl_weight_sync.md, replicate.md and pipelining.md run
+exactly as shown.
 
 Every command in the pages' ``sh`` blocks is run as written (``torchrun`` and ``accelerate``
-are the venv's), in a fresh directory holding a link to ``examples/``, on 2 CPU ranks: each
+are the venv's), in a fresh directory holding a link to ``examples/``, on 2 to 4 CPU ranks
+(as the command says): each
 exits 0 (no abort at exit either: see [Note: clean exit] in fsdp2/_core/clean_exit.py) and
 prints its closing line. Every ``python`` block of docs/ marked as an excerpt of a script
 (``<!-- excerpt: examples/x.py -->`` on the line before) is that script's text, verbatim;
@@ -31,6 +33,7 @@ PAGES = (
     PAGE,
     os.path.join(ROOT, "docs", "rl_weight_sync.md"),
     os.path.join(ROOT, "docs", "replicate.md"),
+    os.path.join(ROOT, "docs", "pipelining.md"),
 )
 BIN = os.path.dirname(sys.executable)
 TIMEOUT_S = 300
@@ -43,6 +46,7 @@ DONE = {
     "examples/hf_trainer.py": "from_pretrained loads",
     "examples/rl_weight_sync.py": "the engine's generations match",
     "examples/replicate_mixed.py": "sharded and replicated modules trained like DDP",
+    "examples/pipeline_train.py": "pipeline stages trained like the unsharded model",
 }
 
 

@@ -15,6 +15,7 @@ See [Note: simulated step] for how the peak is split into parts.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -38,6 +39,7 @@ from fsdp2._core.observe import HUB
 from fsdp2._core.seam import compute_device
 from fsdp2._core.sharding import FSDPModule, fully_shard
 from fsdp2.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdp2.planning.stage import stage_step
 from fsdp2.planning.tracker import PARTS, Tracker, sort_persistent
 
 __all__ = ["PARTS", "MemoryEstimate", "estimate_memory"]
@@ -230,6 +232,15 @@ def _fake_batch(batch: Any, device: torch.device) -> Any:
     return tree_map(fake, batch)
 
 
+def _checked(loss: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"estimate_memory: step_fn returned a {type(loss).__name__}, not the "
+            "loss tensor to call backward() on"
+        )
+    return loss
+
+
 def _simulate(
     build: Callable[[DeviceMesh], nn.Module],
     batch: Any,
@@ -238,6 +249,7 @@ def _simulate(
     mesh: DeviceMesh,
     reshard: bool | None,
     settings: str,
+    pipeline: tuple[int, int] | None = None,
 ) -> MemoryEstimate:
     device = torch.device(mesh.device_type)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -259,18 +271,18 @@ def _simulate(
                 sort_persistent(tracker, model, opt)
                 tracker.reset_peak()
             tracker.phase = tracker.where = "setup"
-            b = _fake_batch(batch, compute_device(model) or device)
-            tracker.phase = "forward"
-            loss = step_fn(model, b)
-            if not isinstance(loss, torch.Tensor):
-                raise TypeError(
-                    f"estimate_memory: step_fn returned a {type(loss).__name__}, not the "
-                    "loss tensor to call backward() on"
-                )
-            tracker.phase = "backward"
-            tracker.where = "backward"
-            loss.backward()
-            del loss, b
+            dev = compute_device(model) or device
+            if pipeline is not None:  # see [Note: pipeline stages] in planning/stage.py
+                make = functools.partial(_fake_batch, batch, dev)
+                stage_step(model, make, step_fn, *pipeline, tracker)
+            else:
+                b = _fake_batch(batch, dev)
+                tracker.phase = "forward"
+                loss = _checked(step_fn(model, b))
+                tracker.phase = "backward"
+                tracker.where = "backward"
+                loss.backward()
+                del loss, b
             tracker.phase = "optimizer"
             tracker.where = "optimizer step"
             opt.step()
@@ -303,6 +315,8 @@ def estimate_memory(
     optimizer: str | Callable[[list[nn.Parameter]], torch.optim.Optimizer] = "adamw",
     step_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     compare: bool = True,
+    microbatches: int = 1,
+    in_flight: int | None = None,
 ) -> MemoryEstimate:
     """Simulate one training step on rank 0 and return its peak memory, split into parts.
 
@@ -343,6 +357,14 @@ def estimate_memory(
         compare: also simulate the other ``reshard_after_forward`` choices (``True``,
             ``False``) and, when ``model`` is a module, with and without CPU offload;
             they are in ``alternatives``.
+        microbatches: more than 1: ``model`` is a pipeline stage and ``batch`` one
+            micro-batch; the step is a pipeline schedule's for this stage ([Note: pipeline
+            stages] in fsdp2/planning/stage.py): ``microbatches`` forwards and backwards,
+            gradients and the gathered parameters of groups that do not reshard after
+            forward held across micro-batches, one reduction at the end.
+        in_flight: how many micro-batches' activations the schedule keeps at once on this
+            stage (default: all, GPipe; 1F1B: the number of stages minus this stage's
+            index).
 
     Returns:
         A :class:`MemoryEstimate`: ``print`` it for a table.
@@ -353,6 +375,12 @@ def estimate_memory(
         RuntimeError: a process group other than a fake one of the same size is already
             initialized.
     """
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"estimate_memory: microbatches must be an int >= 1, got {microbatches!r}")
+    flight = microbatches if in_flight is None else in_flight
+    if isinstance(flight, bool) or not isinstance(flight, int) or flight < 1:
+        raise ValueError(f"estimate_memory: in_flight must be an int >= 1, got {in_flight!r}")
+    pipeline = (microbatches, min(flight, microbatches)) if microbatches > 1 else None
     shape = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(mesh_shape)
     if not 1 <= len(shape) <= 2 or not all(isinstance(s, int) and s >= 1 for s in shape):
         raise ValueError(
@@ -432,5 +460,5 @@ def estimate_memory(
                 runs.append((builder(c, other), None, name))
     with _fake_world(math.prod(shape)):
         mesh = _mesh(dev, shape)
-        results = [_simulate(b, batch, step, opt, mesh, r, s) for b, r, s in runs]
+        results = [_simulate(b, batch, step, opt, mesh, r, s, pipeline) for b, r, s in runs]
     return replace(results[0], alternatives=tuple(results[1:]))

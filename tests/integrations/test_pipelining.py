@@ -673,3 +673,32 @@ def test_call_orders(schedule: str, tmp_path: Any) -> None:
         assert out["far"] < 1e-5, out
         assert out["same"] and out["same_losses"] and out["eval_same"], out
         assert out["resumed"], out
+
+
+# ---------------------------------------------------------------------------------------------
+# The timeline of a schedule step
+
+
+def _timeline() -> dict[str, Any]:
+    pipelining.enable()
+    mesh = pp_dp_mesh(2)
+    sched, mods = build_stages(
+        "1F1B",
+        fsdp2.fully_shard,
+        mesh,
+        n_microbatches=N_MB,
+        shard_kwargs={"reshard_after_forward": False},
+    )
+    run_step(sched, mesh, 0, ROWS)  # the first step also infers shapes
+    with fsdp2.timeline() as tl:
+        run_step(sched, mesh, 1, ROWS)
+    return {"collectives": dict(tl.collectives), "lanes": sorted(tl.lanes), "step": tl.step_s}
+
+
+def test_timeline_of_a_schedule_step() -> None:
+    """``fsdp2.timeline`` around one schedule step of a stage: per block one all-gather (the
+    first micro-batch's forward; kept across micro-batches) and one reduce-scatter (the last
+    micro-batch's backward), in the block's lane."""
+    for out in run_on_ranks(4, _timeline):
+        assert out["collectives"] == {"all_gather": 4, "reduce_scatter": 4}, out
+        assert len(out["lanes"]) == 4 and out["step"] > 0, out
