@@ -170,7 +170,10 @@ def run_step(
     x, y = batch(step, rows * dp, dim)
     x, y = x[dp_rank * rows : (dp_rank + 1) * rows], y[dp_rank * rows : (dp_rank + 1) * rows]
     losses: list[torch.Tensor] = []
-    sched.step(x, target=y, losses=losses)
+    stages = [sched._stage] if hasattr(sched, "_stage") else sched._stages
+    args = (x,) if any(st.is_first for st in stages) else ()  # (torch 2.11 refuses others)
+    target = y if any(st.is_last for st in stages) else None
+    sched.step(*args, target=target, losses=losses)
     if not losses:
         return None
     return torch.stack([loss.detach() for loss in losses]).mean()

@@ -156,6 +156,8 @@ _METHODS = {
     ),
     ("schedules", "_PipelineScheduleRuntime", "_assert_unsharded"): _assert_unsharded,
 }
+# torch 2.11 and 2.12 infer stage shapes without a real forward and backward: no cleanup
+_OPTIONAL = {"_post_metadata_inference_cleanup"}
 
 
 def enable() -> None:
@@ -180,6 +182,8 @@ def enable() -> None:
 
         modules = {"stage": stage, "schedules": schedules}
         for mod, cls_name, name in _METHODS:
+            if name in _OPTIONAL:
+                continue
             if name not in getattr(modules[mod], cls_name, object).__dict__:
                 raise RuntimeError(
                     f"fsdp2.integrations.pipelining: torch {torch.__version__}'s "
@@ -192,6 +196,8 @@ def enable() -> None:
         _SAVED["schedules.FSDPModule"] = torch_cls
         for (mod, cls_name, name), ours in _METHODS.items():
             cls = getattr(modules[mod], cls_name)
+            if name not in cls.__dict__:  # an optional one this torch lacks
+                continue
             _SAVED[name] = cls.__dict__[name]
             setattr(cls, name, ours)
         setattr(schedules, "FSDPModule", either)  # noqa: B010  (not exported: no attribute)
@@ -210,7 +216,8 @@ def disable() -> None:
 
         modules = {"stage": stage, "schedules": schedules}
         for mod, cls_name, name in _METHODS:
-            setattr(getattr(modules[mod], cls_name), name, _SAVED[name])
+            if name in _SAVED:
+                setattr(getattr(modules[mod], cls_name), name, _SAVED[name])
         setattr(schedules, "FSDPModule", _SAVED["schedules.FSDPModule"])  # noqa: B010
         _SAVED.clear()
         mark_enabled(False)
