@@ -153,4 +153,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
         files = [*files[:3], f"... {len(files) - 4} more", files[-1]]
     for file in files:
         print(f"  {file}")
+    if to == "dcp" and _tied(config or os.path.join(src, "config.json")):
+        print(
+            "tied embeddings (the config's tie_word_embeddings): the output head is the "
+            "embedding, stored once; load with dcp.load(model.state_dict(), checkpoint_id="
+            "DST, planner=DefaultLoadPlanner(allow_partial_load=True))"
+        )
     return 0
+
+
+def _tied(config: str) -> bool:
+    """Whether ``config`` (a config.json, maybe absent) ties the embedding and the head."""
+    try:
+        with open(config) as f:
+            return bool(json.load(f).get("tie_word_embeddings", False))
+    except (OSError, ValueError):
+        return False

@@ -21,6 +21,7 @@ import sys
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("transformers", reason="transformers is a test extra")
 
@@ -126,9 +127,14 @@ def test_inputs_a_person_gets_wrong(tmp_path: Any) -> None:
         (["estimate", folder, "--batch", "0"], 2, "--batch must be at least 1"),
         (["nonsense"], 2, "invalid choice"),
     ]
+    if not torch.backends.cuda.is_built():  # planning for CUDA on a CPU-only torch
+        cases.append((["estimate", folder, "--device", "cuda"], 1, "needs a torch built with"))
     for args, want, message in cases:
         code, _, err = fsdp2(*args)
         assert code == want and message in err, (args, err[-2000:])
+        assert "Traceback" not in err, err
+        if want == 1:  # an input to fix: one line (2 is argparse's usage and its message)
+            assert len(err.strip().splitlines()) == 1, err
 
 
 def test_readme_shows_a_tested_command() -> None:

@@ -289,3 +289,38 @@ def test_console_script_with_progress(sharded: Any, tmp_path: Any) -> None:
     assert "convert: 100%" in proc.stderr and "bfloat16" in proc.stdout, proc.stderr[-3000:]
     got = load_file(os.path.join(dst, "model.safetensors"))
     _same(got, {k: v.to(torch.bfloat16) for k, v in full.items()}, "--dtype bf16")
+
+
+def test_tied_model_into_dcp_and_back(tmp_path: Any) -> None:
+    """A tied Hugging Face model (Qwen2, ``tie_word_embeddings``) saved as safetensors holds
+    the shared tensor once; converted into DCP, the command says how to load it, and that
+    load (``allow_partial_load``) gives back every weight, the head through the embedding."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(tmp_path / "hf")
+    code, out, err = fsdp2("convert", str(tmp_path / "hf"), str(tmp_path / "dcp"))
+    assert code == 0, err
+    assert "tied embeddings" in out and "allow_partial_load=True" in out, out
+    torch.manual_seed(1)
+    fresh = Qwen2ForCausalLM(config)
+    assert fresh.lm_head.weight is fresh.model.embed_tokens.weight
+    sd = fresh.state_dict()
+    dcp.load(
+        sd, checkpoint_id=str(tmp_path / "dcp"), planner=DefaultLoadPlanner(allow_partial_load=True)
+    )
+    fresh.load_state_dict(sd)
+    for name, p in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], p), name

@@ -63,7 +63,7 @@ import torch.nn as nn
 from torch._compile import _disable_dynamo
 
 from fsdp2._core.collectives import DividePlan, Into, all_gather, divide_plan
-from fsdp2._core.gloo import Received
+from fsdp2._core.gloo import Received, is_gloo
 from fsdp2._core.labels import label
 from fsdp2._core.layout import GroupLayout, holders
 from fsdp2._core.mesh import MeshInfo
@@ -167,7 +167,8 @@ class ParamGroup(GroupLayout):
             return
         into = None
         if self.world > 1 and not self.ext_params and not self._dim_copies:
-            if self.gather.comm is None:  # may land in the rows (gloo)
+            # may land in the rows (gloo; never asked elsewhere: world x parameters views)
+            if self.gather.comm is None and is_gloo(self.info.shard_group, self.device):
                 into = Into(self.split_sizes, self.row_dsts, self._alloc_unsharded)
         [pending] = all_gather(
             self._gather_inputs,

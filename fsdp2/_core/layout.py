@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fsdp2._core.extension import ALIGN, Extension
+from fsdp2._core.gloo import is_gloo
 from fsdp2._core.mesh import MeshInfo, shard_mesh
 from fsdp2._core.param import FSDPParam
 from fsdp2._core.storage import free_storage as _free
@@ -55,6 +56,8 @@ def group_dtype(params: list[FSDPParam], name: str) -> torch.dtype:
 
 class GroupLayout:
     """The storage of one group's parameters (see the module docstring)."""
+
+    _row_dsts: list[list[torch.Tensor]] | None
 
     def __init__(
         self,
@@ -209,6 +212,15 @@ class GroupLayout:
             and flat.device == device
         )
 
+    @property
+    def row_dsts(self) -> list[list[torch.Tensor]]:
+        """Rank ``r``'s rows of every flat parameter's unsharded buffer, for the gloo
+        exchange that lands each rank's shard in place: ``world x parameters`` views, made
+        with the buffers for gloo groups only (another backend never asks, and at 512 ranks
+        they would cost seconds)."""
+        assert self._row_dsts is not None, "row_dsts of a group that is not on gloo"
+        return self._row_dsts
+
     def _build_unsharded(self, device: torch.device) -> None:
         self.aliased = self._aliasable(device)
         if self.aliased:
@@ -225,7 +237,9 @@ class GroupLayout:
         self.copy_dsts = [
             b.data.view(w, p.padded_numel) for b, p in zip(bufs, self.flat_params, strict=True)
         ]
-        self.row_dsts = [[d[r] for d in self.copy_dsts] for r in range(w)]  # rank r's rows
+        self._row_dsts = None  # see row_dsts: made while the buffers have their storage
+        if is_gloo(self.info.shard_group, device):
+            self._row_dsts = [[d[r] for d in self.copy_dsts] for r in range(w)]
         # Shard(d > 0) params: the copy-out writes a permuted view instead.
         self._dim_copies = [
             (i, p.split_view(bufs[i].data), p.local_shape)
@@ -266,7 +280,7 @@ class GroupLayout:
         self.unsharded_bufs = []
         self.split_sizes = [p.padded_numel for p in self.flat_params]
         self.copy_dsts = []
-        self.row_dsts = []
+        self._row_dsts = []
         self._dim_copies = []
         flat = self.sharded_flat
         for p in self.flat_params:

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 
 from fsdp2._core import compat
 from fsdp2.api import AllGather, Comm, ReduceScatter
@@ -100,7 +101,10 @@ def pack_for_reduce_scatter(
     # _chunk_cat casts into ``out``: no cast copy of the gradients (bf16 gradients reduced
     # in fp32 would otherwise hold an fp32 copy next to the packed buffer)
     grads = [g for g in grads if g.numel()]
-    if grads:  # empty parameters take no room (and _chunk_cat rejects them)
+    # empty parameters take no room (and _chunk_cat rejects them). fsdp2.estimate_memory's
+    # fake tensors hold no values, and _chunk_cat's fake kernel costs a few ops per rank
+    # (seconds at 512 ranks): the packed buffer's memory is all the simulation needs
+    if grads and not isinstance(out, FakeTensor):
         torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=out)
     return out
 

@@ -77,6 +77,15 @@ class MemoryEstimate:
     world_size: int
     mesh_shape: tuple[int, ...]
     device: str
+    moments: dict[str, dict[str, int]] = field(default_factory=dict)
+    """With ``estimate_memory(..., moments=True)``: for every moment of the step (the same
+    names as ``when``), the parts at the most memory live then."""
+    moment_unsharded: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """With ``moments=True``: the groups unsharded at each of those."""
+    held: dict[str, int] = field(default_factory=dict)
+    """What this rank holds from step to step, in bytes: ``"parameters"`` (its shards),
+    ``"gradients"`` (its sharded gradients, all landed) and ``"optimizer state"``; on the
+    compute device or, with CPU offload, the host."""
     alternatives: tuple[MemoryEstimate, ...] = field(default=())
     """The same step simulated with other settings (``reshard_after_forward`` choices,
     with/without CPU offload): pick the one that fits."""
@@ -250,10 +259,13 @@ def _simulate(
     reshard: bool | None,
     settings: str,
     pipeline: tuple[int, int] | None = None,
+    moments: bool = False,
 ) -> MemoryEstimate:
     device = torch.device(mesh.device_type)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     tracker = Tracker(device)
+    if moments:
+        tracker.moments = {}
     with fake_mode, _watching(tracker), tracker:
         model = build(mesh)
         if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
@@ -286,6 +298,7 @@ def _simulate(
             tracker.phase = "optimizer"
             tracker.where = "optimizer step"
             opt.step()
+            held = _held(model, opt)
             opt.zero_grad(set_to_none=True)
             tracker.check_peak()
     shape = tuple(mesh.shape)
@@ -299,7 +312,46 @@ def _simulate(
         world_size=math.prod(shape),
         mesh_shape=shape,
         device=device.type,
+        held=held,
+        moments=tracker.moments or {},
+        moment_unsharded=tracker.moment_unsharded,
     )
+
+
+def _held(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+    """The bytes of this rank's shards of the parameters, their gradients and the optimizer
+    state (``MemoryEstimate.held``); tied parameters once."""
+
+    def local(t: torch.Tensor) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    params = list({id(p): p for p in model.parameters()}.values())
+    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {
+        "parameters": sum(local(p) for p in params),
+        "gradients": sum(local(p.grad) for p in params if p.grad is not None),
+        # a 0-dim step counter is state too, but a few bytes per parameter tensor
+        "optimizer state": sum(local(v) for v in state),
+    }
+
+
+def _ties(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The ``(module, name)`` pairs that register one parameter, for each parameter that
+    more than one does (tied embeddings): ``to_empty`` unties them."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in model.modules():
+        for n, p in m._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((m, n))
+    return [o for o in owners.values() if len(o) > 1]
+
+
+def _retie(ties: list[list[tuple[nn.Module, str]]]) -> None:
+    for (m0, n0), *rest in ties:
+        p = m0._parameters[n0]
+        for m, n in rest:
+            m._parameters[n] = p
 
 
 def estimate_memory(
@@ -317,6 +369,7 @@ def estimate_memory(
     compare: bool = True,
     microbatches: int = 1,
     in_flight: int | None = None,
+    moments: bool = False,
 ) -> MemoryEstimate:
     """Simulate one training step on rank 0 and return its peak memory, split into parts.
 
@@ -365,6 +418,9 @@ def estimate_memory(
         in_flight: how many micro-batches' activations the schedule keeps at once on this
             stage (default: all, GPipe; 1F1B: the number of stages minus this stage's
             index).
+        moments: also record, for every moment of the step, the parts at the most memory
+            live then (``MemoryEstimate.moments``; a little slower). ``fsdp2 estimate``
+            scales small models' moments to a large one's blocks.
 
     Returns:
         A :class:`MemoryEstimate`: ``print`` it for a table.
@@ -430,7 +486,9 @@ def estimate_memory(
         meta = copy.deepcopy(model).to("meta")
 
         def build(mesh: DeviceMesh) -> nn.Module:  # (called once)
+            ties = _ties(meta)
             m = meta.to_empty(device=dev)
+            _retie(ties)  # tied parameters stay one parameter, as training keeps them
             kw: dict[str, Any] = {"mesh": mesh, "mp_policy": mp, "offload_policy": off}
             for block in _select_blocks(m, shard):
                 fully_shard(block, reshard_after_forward=rshd, **kw)
@@ -460,5 +518,7 @@ def estimate_memory(
                 runs.append((builder(c, other), None, name))
     with _fake_world(math.prod(shape)):
         mesh = _mesh(dev, shape)
-        results = [_simulate(b, batch, step, opt, mesh, r, s, pipeline) for b, r, s in runs]
+        results = [
+            _simulate(b, batch, step, opt, mesh, r, s, pipeline, moments) for b, r, s in runs
+        ]
     return replace(results[0], alternatives=tuple(results[1:]))

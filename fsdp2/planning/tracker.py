@@ -72,6 +72,9 @@ class Tracker(TorchDispatchMode, Observer):
         self.hooks: list[str] = []
         self.unsharded: dict[int, str] = {}  # id(unsharded storage) -> group path, while alive
         self.params: list[nn.Parameter] = []
+        # where -> the parts at the most live bytes seen there (``moments=True``), else None
+        self.moments: dict[str, dict[str, int]] | None = None
+        self.moment_unsharded: dict[str, tuple[str, ...]] = {}  # where -> groups gathered then
         self.reset_peak()
 
     # -- bookkeeping
@@ -79,6 +82,9 @@ class Tracker(TorchDispatchMode, Observer):
         self.sweep()
         self.peak = -1
         self.host_peak = 0
+        if self.moments is not None:
+            self.moments = {}
+            self.moment_unsharded = {}
         self.check_peak()
 
     def sweep(self) -> None:
@@ -95,6 +101,8 @@ class Tracker(TorchDispatchMode, Observer):
             self.host_upper += nbytes
 
     def check_peak(self) -> None:
+        if self.moments is not None:
+            self._check_moment()
         if self.upper <= self.peak and self.host_upper <= self.host_peak:
             return
         self.sweep()
@@ -108,6 +116,20 @@ class Tracker(TorchDispatchMode, Observer):
         self.peak_parts = parts
         self.peak_where = self.where
         self.peak_unsharded = tuple(dict.fromkeys(self.unsharded.values()))
+
+    def _check_moment(self) -> None:
+        """The most live bytes at the current moment (``where``), with its parts."""
+        seen = self.moments.get(self.where) if self.moments is not None else None
+        if seen is not None and self.upper <= sum(seen.values()):
+            return
+        self.sweep()
+        parts = dict.fromkeys(PARTS, 0)
+        for e in self.entries.values():
+            parts[e.part] += e.nbytes
+        if seen is None or sum(parts.values()) > sum(seen.values()):
+            assert self.moments is not None
+            self.moments[self.where] = parts
+            self.moment_unsharded[self.where] = tuple(dict.fromkeys(self.unsharded.values()))
 
     def part_now(self) -> str:
         if self.labels:
