@@ -36,6 +36,7 @@ COMPAT_TESTS ?= tests/core/test_parity.py tests/core/test_mixed_precision.py \
 GPU_CHECK_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 DEVICE ?= cuda
 OUT ?= runs/gpu-check
+GPU_CHECK_ARGS ?=
 
 # `make test-isa`: the suite with torch's, oneDNN's and MKL's instruction sets capped, as on a
 # CPU without AVX-512 (ISA=avx2, the default) or with none of the vector units torch uses
@@ -92,7 +93,7 @@ $(COMPAT_VENVS)/torch-%/$(COMPAT_STAMP):
 	touch $@
 
 gpu-check:
-	$(GPU_CHECK_PYTHON) benchmarks/gpu_check.py --device $(DEVICE) --out $(OUT)
+	$(GPU_CHECK_PYTHON) benchmarks/gpu_check.py --device $(DEVICE) --out $(OUT) $(GPU_CHECK_ARGS)
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check $(LINT_PATHS)

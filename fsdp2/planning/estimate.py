@@ -39,6 +39,7 @@ from fsdp2._core.observe import HUB
 from fsdp2._core.seam import compute_device
 from fsdp2._core.sharding import FSDPModule, fully_shard
 from fsdp2.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdp2.planning import _held
 from fsdp2.planning.stage import stage_step
 from fsdp2.planning.tracker import PARTS, Tracker, sort_persistent
 
@@ -298,7 +299,7 @@ def _simulate(
             tracker.phase = "optimizer"
             tracker.where = "optimizer step"
             opt.step()
-            held = _held(model, opt)
+            held = _held.held(model, opt)
             opt.zero_grad(set_to_none=True)
             tracker.check_peak()
     shape = tuple(mesh.shape)
@@ -316,42 +317,6 @@ def _simulate(
         moments=tracker.moments or {},
         moment_unsharded=tracker.moment_unsharded,
     )
-
-
-def _held(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
-    """The bytes of this rank's shards of the parameters, their gradients and the optimizer
-    state (``MemoryEstimate.held``); tied parameters once."""
-
-    def local(t: torch.Tensor) -> int:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        return t.numel() * t.element_size()
-
-    params = list({id(p): p for p in model.parameters()}.values())
-    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return {
-        "parameters": sum(local(p) for p in params),
-        "gradients": sum(local(p.grad) for p in params if p.grad is not None),
-        # a 0-dim step counter is state too, but a few bytes per parameter tensor
-        "optimizer state": sum(local(v) for v in state),
-    }
-
-
-def _ties(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
-    """The ``(module, name)`` pairs that register one parameter, for each parameter that
-    more than one does (tied embeddings): ``to_empty`` unties them."""
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}
-    for m in model.modules():
-        for n, p in m._parameters.items():
-            if p is not None:
-                owners.setdefault(id(p), []).append((m, n))
-    return [o for o in owners.values() if len(o) > 1]
-
-
-def _retie(ties: list[list[tuple[nn.Module, str]]]) -> None:
-    for (m0, n0), *rest in ties:
-        p = m0._parameters[n0]
-        for m, n in rest:
-            m._parameters[n] = p
 
 
 def estimate_memory(
@@ -486,9 +451,9 @@ def estimate_memory(
         meta = copy.deepcopy(model).to("meta")
 
         def build(mesh: DeviceMesh) -> nn.Module:  # (called once)
-            ties = _ties(meta)
+            ties = _held.ties(meta)
             m = meta.to_empty(device=dev)
-            _retie(ties)  # tied parameters stay one parameter, as training keeps them
+            _held.retie(ties)  # tied parameters stay one parameter, as training keeps them
             kw: dict[str, Any] = {"mesh": mesh, "mp_policy": mp, "offload_policy": off}
             for block in _select_blocks(m, shard):
                 fully_shard(block, reshard_after_forward=rshd, **kw)

@@ -110,12 +110,33 @@ def _shard(
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
-    """CPU copies of the full parameters (collective for DTensors)."""
+    """CPU copies of the full parameters (collective for DTensors).
+
+    Over gloo, CUDA shards are gathered as CPU tensors: torch's own ``DTensor.full_tensor()``
+    (its functional all-gather) crashes there with a segmentation fault (torch 2.11 on an H200,
+    ``make gpu-check``, 2026-11-28), while c10d's all-gather of CUDA tensors works."""
     out = {}
     for name, p in model.named_parameters():
-        t = p.full_tensor() if isinstance(p, DTensor) else p
+        if isinstance(p, DTensor) and p.device.type == "cuda" and _on_gloo(p):
+            t = DTensor.from_local(
+                p.to_local().detach().cpu(),
+                _cpu_mesh(p),
+                p.placements,
+                shape=p.shape,
+                stride=p.stride(),
+            ).full_tensor()
+        else:
+            t = p.full_tensor() if isinstance(p, DTensor) else p
         out[name] = t.detach().float().cpu().clone()
     return out
+
+
+def _on_gloo(p: DTensor) -> bool:
+    return dist.get_backend(p.device_mesh.get_group()) == "gloo"
+
+
+def _cpu_mesh(p: DTensor) -> DeviceMesh:
+    return DeviceMesh.from_group(p.device_mesh.get_group(), "cpu")
 
 
 def _close(got: Any, want: Any, what: str, tol: dict[str, float]) -> None:

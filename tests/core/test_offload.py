@@ -215,6 +215,15 @@ def _local_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _warm_up_cublas(device: torch.device) -> None:
+    """A first matmul on a stream allocates cuBLAS's workspace through the caching allocator
+    (65 MiB on an H200, kept for the process): done here, before the test measures what
+    fsdp2's step leaves allocated (gpu-check, 2026-11-28, the first test of a fresh worker)."""
+    lin = nn.Linear(8, 8, device=device)
+    lin(torch.ones(2, 8, device=device, requires_grad=True)).sum().backward()
+    torch.cuda.synchronize()
+
+
 def _train_offloaded_cuda(offloaded: str, pin_memory: bool) -> None:
     """fsdp2 on a 1-rank NCCL group over cuda:0 with CPU offloading, against a replicated
     fp32 reference on the CPU and torch's FSDP2 under the same policies."""
@@ -225,6 +234,7 @@ def _train_offloaded_cuda(offloaded: str, pin_memory: bool) -> None:
     model_name = "mlp_head"
     ref = build(model_name)
     ref_opt = make_optimizer("adamw", ref.parameters())
+    _warm_up_cublas(cuda)
     before = torch.cuda.memory_allocated()
     kw = {"offloaded": offloaded, "pin_memory": pin_memory, "mp": {}}
     ours = _shard(build(model_name), "fsdp2", mesh, **kw)
@@ -245,7 +255,8 @@ def _train_offloaded_cuda(offloaded: str, pin_memory: bool) -> None:
     opts["torch"] = make_optimizer("adamw", theirs.parameters())
     _check_placement(ours, offloaded, cuda, pin_memory)
     for step in range(STEPS):
-        x, y = make_batch(model_name, step)  # CPU tensors: the root moves them
+        # CPU tensors: the root moves the input to the GPU; the target goes there by hand.
+        x, y = make_batch(model_name, step)
         ref_loss = local_loss(ref, model_name, x, y)
         ref_loss.backward()
         ref_opt.step()
@@ -253,7 +264,7 @@ def _train_offloaded_cuda(offloaded: str, pin_memory: bool) -> None:
         ref_params = {n: p.detach() for n, p in ref.named_parameters()}
         start = torch.cuda.memory_allocated()
         for engine, model in (("fsdp2", ours), ("torch", theirs)):
-            loss = local_loss(model, model_name, x, y)
+            loss = local_loss(model, model_name, x, y.to(cuda))
             loss.backward()
             if engine == "fsdp2":
                 _check_placement(model, offloaded, cuda, pin_memory)
