@@ -9,6 +9,12 @@ at the last step of each (they must agree).
     python benchmarks/compare.py --world-size 2 --dtype fp32 --reshard true
     python benchmarks/compare.py --float8 --impls fsdp2,torch_fsdp2   # torchao float8
     python benchmarks/compare.py --impls fsdp2_replicate,ddp,torch_replicate,fsdp2
+    python benchmarks/compare.py --impls fsdp2,fsdp2_deterministic,fsdp2_exchange,\
+        fsdp2_wire_bf16,fsdp2_reduce_bf16,torch_fsdp2     # fsdp2.reduction's ways
+
+``fsdp2_deterministic`` is ``fsdp2.reduction.set_deterministic``; ``fsdp2_exchange`` /
+``fsdp2_wire_bf16`` / ``fsdp2_wire_fp8`` reduce by exchange with an fp32 / bf16 / fp8 wire
+(``set_exchange_reduce``); ``fsdp2_reduce_bf16`` is ``reduce_dtype=torch.bfloat16``.
 
 ``--float8`` converts every linear layer but the output head with torchao's float8
 training and float8 all-gather (``enable_fsdp_float8_all_gather=True``), and calls
@@ -57,7 +63,13 @@ from fsdp2.models import Llama, LlamaConfig, TransformerBlock  # noqa: E402
 
 IMPLS = ("fsdp2", "torch_fsdp2", "torch_fsdp1", "ddp", "single")
 # also: fsdp2_replicate / torch_replicate (``replicate`` on every block and the root)
-MORE_IMPLS = ("fsdp2_replicate", "torch_replicate")
+MORE_IMPLS = ("fsdp2_replicate", "torch_replicate", "fsdp2_reduce_bf16", "fsdp2_deterministic")
+# fsdp2 reducing by exchange (fsdp2.reduction): the wire's dtype, summed in fp32
+WIRE_IMPLS = {
+    "fsdp2_exchange": None,
+    "fsdp2_wire_bf16": "bfloat16",
+    "fsdp2_wire_fp8": "float8_e4m3fn",
+}
 
 
 class _AllGathers(Observer):
@@ -157,8 +169,9 @@ def llama_config(args: argparse.Namespace) -> LlamaConfig:
 
 def wrap(impl: str, model: nn.Module, mesh, args) -> nn.Module:  # type: ignore[no-untyped-def]
     bf16 = args.dtype == "bf16"
-    if impl in ("fsdp2", BASELINE, "torch_fsdp2"):
-        if impl == "fsdp2":
+    ours = ("fsdp2", "fsdp2_reduce_bf16", "fsdp2_deterministic", *WIRE_IMPLS)
+    if impl in (*ours, BASELINE, "torch_fsdp2"):
+        if impl in ours:
             import fsdp2 as api
         elif impl == BASELINE:
             api = sys.modules[BASELINE]
@@ -167,7 +180,11 @@ def wrap(impl: str, model: nn.Module, mesh, args) -> nn.Module:  # type: ignore[
         fully_shard = api.fully_shard
         mp_policy = api.MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if bf16 else None,
-            reduce_dtype=torch.float32 if bf16 else None,
+            reduce_dtype=torch.bfloat16
+            if impl == "fsdp2_reduce_bf16"
+            else torch.float32
+            if bf16
+            else None,
         )
         CPUOffloadPolicy, OffloadPolicy = api.CPUOffloadPolicy, api.OffloadPolicy
         # pin_memory needs an accelerator; on CPU meshes the policy moves nothing anyway.
@@ -176,6 +193,15 @@ def wrap(impl: str, model: nn.Module, mesh, args) -> nn.Module:  # type: ignore[
         for block in model.layers:
             fully_shard(block, mesh=mesh, reshard_after_forward=args.reshard, **kw)
         fully_shard(model, mesh=mesh, **kw)
+        if impl == "fsdp2_deterministic":
+            from fsdp2.reduction import set_deterministic
+
+            set_deterministic(model)
+        if impl in WIRE_IMPLS:
+            from fsdp2.reduction import set_exchange_reduce
+
+            wire = WIRE_IMPLS[impl]
+            set_exchange_reduce(model, None if wire is None else getattr(torch, wire))
         return model
     if impl in ("fsdp2_replicate", "torch_replicate"):  # DDP's communication, FSDP2's API
         if impl == "fsdp2_replicate":
@@ -348,9 +374,9 @@ def main(argv: list[str] | None = None) -> None:
         "--baseline", metavar="DIR", help=f"also run DIR's fsdp2 package, as {BASELINE}"
     )
     args = ap.parse_args(argv)
-    unknown = set(impl_list(args)) - {*IMPLS, *MORE_IMPLS, BASELINE}
+    unknown = set(impl_list(args)) - {*IMPLS, *MORE_IMPLS, *WIRE_IMPLS, BASELINE}
     if unknown:
-        choices = ", ".join((*IMPLS, *MORE_IMPLS))
+        choices = ", ".join((*IMPLS, *MORE_IMPLS, *WIRE_IMPLS))
         ap.error(f"unknown --impls {sorted(unknown)}; choose from {choices}")
     if BASELINE in impl_list(args) and not args.baseline:
         ap.error(f"--impls {BASELINE} needs --baseline DIR")

@@ -24,6 +24,12 @@ Four parts, each printed as a table and written as JSON (``--json``):
   and the GPU peak above what was allocated before. Target: the iterator at most half the
   loop's time.
 
+* ``deterministic``: world size 1, the step's Llama, each batch as 4 micro-batches of one
+  sequence accumulated with ``set_requires_gradient_sync(False)`` but the last: fsdp2's
+  default (the loss divided by 4) against ``fsdp2.reduction.set_deterministic`` (fp32 trees
+  of partial sums), interleaved. Target: at most 1.10x (at world size 1 this is the cost of
+  the trees; the exchange needs more GPUs).
+
 ``--device cpu`` runs the same code on a tiny model with gloo (what CI checks: the harness,
 not the numbers); memory there is the live tensor bytes of ``benchmarks/_memory.py``.
 
@@ -55,7 +61,7 @@ import fsdp2  # noqa: E402
 from fsdp2.models import Llama, LlamaConfig  # noqa: E402
 
 MiB = 2**20
-PARTS = ("step", "memory", "offload", "sync")
+PARTS = ("step", "memory", "offload", "sync", "deterministic")
 
 
 # name -> (config, batch, seq) per size; "small" is what --device cpu runs.
@@ -149,7 +155,11 @@ def _interleaved(
     data: torch.Tensor,
     warmup: int,
     autocast: set[str],
+    micro: int = 1,
+    scaled: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> dict[str, Any]:
+    """``micro`` > 1: each batch as that many micro-batches, synced on the last; the impls in
+    ``scaled`` divide each micro-batch's loss by ``micro``."""
     times: dict[str, list[float]] = {k: [] for k in models}
     peaks: dict[str, int] = {k: 0 for k in models}
     losses: dict[str, float] = {}
@@ -161,9 +171,12 @@ def _interleaved(
                 torch.cuda.reset_peak_memory_stats()
             before = _allocated(device)
             t0 = time.perf_counter()
-            with torch.autocast(device, torch.bfloat16, enabled=impl in autocast):
-                loss = model(batch[:, :-1], batch[:, 1:])
-            loss.backward()
+            for j, mb in enumerate(batch.chunk(micro)):
+                if micro > 1:
+                    model.set_requires_gradient_sync(j == micro - 1)  # type: ignore[operator]
+                with torch.autocast(device, torch.bfloat16, enabled=impl in autocast):
+                    loss = model(mb[:, :-1], mb[:, 1:])
+                (loss / micro if impl in scaled else loss).backward()
             optims[impl].step()
             optims[impl].zero_grad()
             _sync(device)
@@ -225,6 +238,38 @@ def part_step(device: str, size: str, steps: int, warmup: int) -> dict[str, Any]
             "torch_fsdp2 / single": _ratios(times, "torch_fsdp2", "single"),
         },
         "targets": {"fsdp2 / single": 1.03, "fsdp2 / torch_fsdp2": 1.0},
+    }
+    dist.destroy_process_group()
+    return out
+
+
+def part_deterministic(device: str, size: str, steps: int, warmup: int) -> dict[str, Any]:
+    from fsdp2.reduction import set_deterministic
+
+    _init_one_rank(device)
+    mesh = init_device_mesh(device, (1,))
+    cfg, batch, seq = SHAPES[size]["step"]
+    models: dict[str, nn.Module] = {}
+    optims: dict[str, torch.optim.Optimizer] = {}
+    for impl in ("fsdp2", "fsdp2_deterministic"):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = _shard(Llama(cfg), "fsdp2", mesh)
+        if impl == "fsdp2_deterministic":
+            set_deterministic(model)
+        models[impl] = model
+        optims[impl] = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    data = _data(cfg, batch, seq, steps + warmup)
+    run = _interleaved(device, models, optims, data, warmup, set(), micro=batch, scaled={"fsdp2"})
+    out = {
+        "part": "deterministic",
+        "what": f"world size 1, Llama {cfg.n_layers} layers dim {cfg.dim} vocab "
+        f"{cfg.vocab_size}, {batch} micro-batches of 1x{seq} tokens, bf16 mixed precision, AdamW",
+        "impls": _impl_rows(run, device),
+        "ratios": {
+            "fsdp2_deterministic / fsdp2": _ratios(run["times"], "fsdp2_deterministic", "fsdp2")
+        },
+        "targets": {"fsdp2_deterministic / fsdp2": 1.10},
     }
     dist.destroy_process_group()
     return out
@@ -475,6 +520,8 @@ def main(argv: list[str] | None = None) -> None:
         result = part_memory(args.device, size, args.world)
     elif args.part == "sync":
         result = part_sync(args.device, size, args.steps or 5, args.world)
+    elif args.part == "deterministic":
+        result = part_deterministic(args.device, size, args.steps or 10, args.warmup)
     else:
         result = part_offload(args.device, size, args.steps or 6, min(args.warmup, 2))
     result.update(device=args.device, size=size, torch=torch.__version__)

@@ -10,8 +10,10 @@ installed: the repository root goes on ``PYTHONPATH``), this runs
    timeline (``tests/core/test_gpu.py``, ``tests/core/test_offload.py``);
 2. the numbers of ``benchmarks/gpu_bench.py``: ``step`` (world size 1 against the unsharded
    model and torch's FSDP2), ``memory`` (rank 0 of 8 through the fake process group, ~1B
-   parameters), ``offload`` (``CPUOffloadPolicy``) and ``sync`` (RL weight sync: the per-tensor
-   loop against ``iter_full_tensors``, rank 0 of 8 through the fake process group);
+   parameters), ``offload`` (``CPUOffloadPolicy``), ``sync`` (RL weight sync: the per-tensor
+   loop against ``iter_full_tensors``, rank 0 of 8 through the fake process group) and
+   ``deterministic`` (``fsdp2.reduction.set_deterministic`` against the default, 4
+   micro-batches);
 
 and writes ``<out>/gpu-check.md``: versions, GPU, the command, each test's outcome (failures
 with their message), the benchmark tables and, at the end, all of it as JSON. The file is
@@ -271,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=560.0, help="seconds for everything")
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--skip-bench", action="store_true")
-    ap.add_argument("--parts", default="step,memory,offload,sync", help="benchmark parts to run")
+    ap.add_argument(
+        "--parts", default="step,memory,offload,sync,deterministic", help="benchmark parts to run"
+    )
     args = ap.parse_args(argv)
     import torch
 

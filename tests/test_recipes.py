@@ -1,5 +1,5 @@
-"""The recipes of docs/recipes.md, rl_weight_sync.md, replicate.md and pipelining.md run
-exactly as shown.
+"""The recipes of docs/recipes.md, rl_weight_sync.md, replicate.md, pipelining.md,
+mixed_precision.md and reproducibility.md run exactly as shown.
 
 Every command in the pages' ``sh`` blocks is run as written (``torchrun`` and ``accelerate``
 are the venv's), in a fresh directory holding a link to ``examples/``, on 2 to 4 CPU ranks
@@ -34,6 +34,8 @@ PAGES = (
     os.path.join(ROOT, "docs", "rl_weight_sync.md"),
     os.path.join(ROOT, "docs", "replicate.md"),
     os.path.join(ROOT, "docs", "pipelining.md"),
+    os.path.join(ROOT, "docs", "mixed_precision.md"),
+    os.path.join(ROOT, "docs", "reproducibility.md"),
 )
 BIN = os.path.dirname(sys.executable)
 TIMEOUT_S = 300
@@ -47,6 +49,8 @@ DONE = {
     "examples/rl_weight_sync.py": "the engine's generations match",
     "examples/replicate_mixed.py": "sharded and replicated modules trained like DDP",
     "examples/pipeline_train.py": "pipeline stages trained like the unsharded model",
+    "examples/low_precision_wire.py": "the bf16 wire trained like the fp32 reduce-scatter",
+    "examples/reproducible.py": "2 ranks and 1 rank trained to the same bits",
 }
 
 

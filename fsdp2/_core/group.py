@@ -59,6 +59,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch._compile import _disable_dynamo
 
@@ -142,6 +143,8 @@ class ParamGroup(GroupLayout):
         replicate = self.info.replicate_size if self.info.replicate_group is not None else 1
         dtype = self.reduce_dtype or self.param_dtype
         r = self.reduce
+        if r.exact:  # summed, then divided once at landing (see reduce.Reduction)
+            return DividePlan(None, None, dist.ReduceOp.SUM, dist.ReduceOp.SUM)
         return divide_plan(self.world, replicate, dtype, r.divide_factor, r.force_sum)
 
     def retype(self, orig_dtype: torch.dtype) -> None:

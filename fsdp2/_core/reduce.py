@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from fsdp2._core.collectives import DividePlan, all_reduce, reduce_scatter
+from fsdp2._core.exact import TreeSum, exchange_all_reduce, is_power_of_two
 from fsdp2._core.labels import label
 from fsdp2._core.param import FSDPParam
 from fsdp2._core.transport import Pending
@@ -30,21 +31,37 @@ from fsdp2._core.transport import Pending
 if TYPE_CHECKING:
     from fsdp2._core.group import ParamGroup
 
-__all__ = ["GradState", "Part", "ReduceStage", "Reduction", "bucket_key", "reduce", "take_grads"]
+__all__ = [
+    "GradState",
+    "Part",
+    "ReduceStage",
+    "Reduction",
+    "bucket_key",
+    "push_exact",
+    "reduce",
+    "reduce_dtype_of",
+    "take_grads",
+]
 
 
 class GradState:
     """A group's gradients that outlive a backward."""
 
-    __slots__ = ("acc", "partial")
+    __slots__ = ("acc", "partial", "trees", "leaves")
 
     def __init__(self) -> None:
         self.acc: dict[int, torch.Tensor] = {}  # no-sync sums in reduce_dtype, by id(param)
         self.partial: torch.Tensor | None = None  # HSDP without all-reduce: the shard-reduced sum
+        # exact reduction: each parameter's micro-batch gradients as a canonical tree, and
+        # how many micro-batches (backwards that gave the group gradients) it holds
+        self.trees: dict[int, TreeSum] = {}
+        self.leaves = 0
 
     def clear(self) -> None:
         self.acc.clear()
         self.partial = None
+        self.trees.clear()
+        self.leaves = 0
 
 
 class ReduceStage(enum.Enum):
@@ -65,6 +82,7 @@ class Part(NamedTuple):
     grads: list[torch.Tensor]
     numel: int  # elements per rank
     nbytes: int  # of the packed reduce-scatter input (every rank's rows)
+    leaves: int = 0  # exact reduction: the micro-batches summed on this rank
 
 
 class Reduction:
@@ -112,7 +130,10 @@ class Reduction:
                     out.add_(part.state.partial)
                     part.state.partial = None
             self.stage = ReduceStage.ALL_REDUCE
-            self.pending = all_reduce(output, replicate, self._what, op=self.plan.ar_op)
+            if g.reduce.exact:
+                self.pending = Pending(output, exchange_all_reduce(output, replicate))
+            else:
+                self.pending = all_reduce(output, replicate, self._what, op=self.plan.ar_op)
             return False
         for part, out in self._slices(output):
             if part.group.has_scalars:
@@ -121,14 +142,43 @@ class Reduction:
                 part.group.reduce.hook(out)
             if self.plan.post is not None:
                 out.div_(self.plan.post)
+            elif part.group.reduce.exact:
+                out.div_(_exact_divisor(part))
             self.host_copy |= land_grads(part.group, part.params, out)
         self.stage = ReduceStage.DONE
         return True
 
 
+def _exact_divisor(part: Part) -> float:
+    """Exact reduction divides the sum once: by the divide factor if set, else by the
+    micro-batches summed over every data-parallel rank."""
+    g = part.group
+    if g.reduce.divide_factor is not None:
+        return g.reduce.divide_factor
+    replicate = g.info.replicate_size if g.info.replicate_group is not None else 1
+    return float(part.leaves * g.world * replicate)
+
+
+def push_exact(group: ParamGroup, state: GradState) -> None:
+    """Exact reduction: move this backward's unsharded gradients (fp32) into the trees of
+    ``state`` as one micro-batch's leaves; nothing if the backward gave the group none."""
+    grads = [None if p.unsharded is None else p.unsharded.grad for p in group.grad_params]
+    if all(g is None for g in grads):
+        return
+    for p, g in zip(group.grad_params, grads, strict=True):
+        if g is not None:
+            assert p.unsharded is not None
+            p.unsharded.grad = None
+            g = g if g.dtype == torch.float32 else g.float()
+        state.trees.setdefault(id(p), TreeSum()).push(g)
+    state.leaves += 1
+
+
 def has_unreduced_grads(group: ParamGroup, state: GradState) -> bool:
-    return bool(state.acc) or any(
-        p.unsharded is not None and p.unsharded.grad is not None for p in group.grad_params
+    return (
+        bool(state.acc)
+        or bool(state.trees)
+        or any(p.unsharded is not None and p.unsharded.grad is not None for p in group.grad_params)
     )
 
 
@@ -166,10 +216,17 @@ def accumulate_in_reduce_dtype(group: ParamGroup, state: GradState) -> None:
 def _take_grads(group: ParamGroup, state: GradState) -> tuple[list[FSDPParam], list[torch.Tensor]]:
     params, grads = [], []
     acc = state.acc
+    exact = group.reduce.exact
+    if exact:
+        push_exact(group, state)  # a gradient still on a parameter: the last micro-batch
+        _check_leaves(group, state.leaves)
     for p in group.grad_params:
         u = p.unsharded
         g = None if u is None else u.grad
-        if acc:
+        if exact:
+            tree = state.trees.pop(id(p), None)
+            g = None if tree is None else tree.fold()
+        elif acc:
             prev = acc.pop(id(p), None)
             if prev is not None:
                 g = prev if g is None else prev.add_(g)
@@ -194,13 +251,41 @@ def take_grads(group: ParamGroup, state: GradState) -> Part | None:
     """Take the gradients computed so far off the unsharded parameters, adding the no-sync
     sums of ``state`` (``None`` if there are none), ready for ``reduce`` alone or in a
     bucket with other groups'."""
+    leaves = state.leaves
     params, grads = _take_grads(group, state)
+    leaves, state.leaves = max(leaves, state.leaves), 0
     if not params:
         return None
     w = group.world
     numel = sum(-(-g.size(0) // w) * (g.numel() // max(g.size(0), 1)) for g in grads)
-    dtype = group.reduce_dtype or group.param_dtype
-    return Part(group, state, params, grads, numel, w * numel * dtype.itemsize)
+    dtype = reduce_dtype_of(group)
+    return Part(group, state, params, grads, numel, w * numel * dtype.itemsize, leaves)
+
+
+def reduce_dtype_of(group: ParamGroup) -> torch.dtype:
+    """The dtype gradients are reduced in: fp32 for exact reduction (its sums are fp32's
+    from the first micro-batch to the last rank), else ``reduce_dtype`` or the compute dtype."""
+    if group.reduce.exact:
+        return torch.float32
+    return group.reduce_dtype or group.param_dtype
+
+
+def _check_leaves(group: ParamGroup, leaves: int) -> None:
+    replicate = group.info.replicate_size if group.info.replicate_group is not None else 1
+    if group.world * replicate > 1 and leaves and not is_power_of_two(leaves):
+        raise RuntimeError(
+            f"deterministic reduction of {group.path}: {leaves} micro-batches were summed on "
+            "this rank since its last reduction; summing in the world-size-invariant order "
+            "needs a power of two per rank (1, 2, 4, ...) when there is more than one "
+            "data-parallel rank: give each rank 2**j consecutive micro-batches of the global "
+            "batch (docs/reproducibility.md)"
+        )
+    if replicate > 1 and leaves and not is_power_of_two(group.world):
+        raise RuntimeError(
+            f"deterministic reduction of {group.path}: HSDP with a shard size of "
+            f"{group.world}: summing across replicas in the world-size-invariant order needs "
+            "a power-of-two shard size (docs/reproducibility.md)"
+        )
 
 
 def bucket_key(group: ParamGroup) -> tuple[Any, ...] | None:
@@ -240,7 +325,7 @@ def reduce(parts: list[Part]) -> Reduction:
     pending = reduce_scatter(
         grads,
         group.world,
-        group.reduce_dtype or group.param_dtype,
+        reduce_dtype_of(group),
         group.reduce.group or group.info.shard_group,
         lambda: _paths(parts),
         op=plan.rs_op,

@@ -59,6 +59,8 @@ class ReduceSettings:
         bucket_bytes: reduce with the groups whose backward finished next in one
             reduce-scatter, up to this many input bytes (``set_bucket_bytes``); ``None``:
             alone.
+        exact: sum micro-batches and ranks in the canonical order, in fp32, and divide
+            once (``fsdp2.reduction.set_deterministic``; [Note: canonical sum] in exact.py).
     """
 
     sync: bool = True
@@ -71,3 +73,4 @@ class ReduceSettings:
     comm: ReduceScatter | None = None
     group: dist.ProcessGroup | None = None
     bucket_bytes: int | None = None
+    exact: bool = False

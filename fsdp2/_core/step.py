@@ -96,6 +96,7 @@ from fsdp2._core.reduce import (
     accumulate_in_reduce_dtype,
     bucket_key,
     has_unreduced_grads,
+    push_exact,
     reduce,
     take_grads,
 )
@@ -451,6 +452,8 @@ class StepContext:
             if g.reduce.sync:
                 part = take_grads(g, grads)
                 g.drained()
+            elif g.reduce.exact:
+                push_exact(g, grads)
             elif g.reduce_dtype is not None:
                 accumulate_in_reduce_dtype(g, grads)
             g.after_backward()

@@ -36,7 +36,7 @@ LAYERS = [
     ["layout", "small_shard"],
     ["param", "extension"],
     ["collectives"],
-    ["gloo", "transport"],
+    ["gloo", "transport", "exact"],
     ["mesh", "settings", "storage", "labels", "debug", "unsharded", "clean_exit", "pipeline"],
     ["observe", "compat"],
 ]

@@ -533,3 +533,37 @@ def test_two_ranks_share_one_gpu_over_gloo(mp: str) -> None:
     if "unsupported" in results[0]:
         pytest.skip(f"gloo has no CUDA all-gather / reduce-scatter here: {results[0]}")
     _check_repeats([r["fsdp2"] for r in results], mp, "2 ranks on one GPU")
+
+
+# ---------------------------------------------------------------------------------------------
+# fsdp2.reduction's exchange on the device's backend (NCCL on a GPU: all_to_all_single, the fp8
+# casts and the sum ordered after the collective on the current stream)
+
+
+def _exchange_on_device() -> None:
+    from fsdp2.reduction import ExchangeReduceScatter
+
+    mesh = one_rank_mesh()
+    group = mesh.get_group()
+    device = torch.device(mesh.device_type, 0) if mesh.device_type == "cuda" else None
+    gen = torch.Generator().manual_seed(0)
+    numel, block = 1000, 64
+    x = (torch.randn(numel, generator=gen) * torch.logspace(-3, 3, numel)).to(device)
+    for wire in (None, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+        comm = ExchangeReduceScatter(wire, block_size=block)
+        out = torch.empty(numel, device=x.device)
+        comm(out, x, group, dist.ReduceOp.SUM, True).wait()
+        if wire is None:
+            want = x
+        elif wire == torch.bfloat16:
+            want = x.to(wire).float()
+        else:
+            grid = torch.cat([x, x.new_zeros(-numel % block)]).view(-1, block)
+            scale = grid.abs().amax(dim=1, keepdim=True) / torch.finfo(wire).max
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+            want = ((grid / scale).to(wire).float() * scale).view(-1)[:numel]
+        assert torch.equal(out, want), f"{wire}: max diff {(out - want).abs().max().item()}"
+
+
+def test_exchange_reduce_on_device() -> None:
+    run_on_ranks(1, _exchange_on_device)
