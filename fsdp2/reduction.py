@@ -36,12 +36,13 @@ has the measured errors and bytes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from fsdp2._core import exact
 from fsdp2.api import ReduceScatter
@@ -49,6 +50,7 @@ from fsdp2.api import ReduceScatter
 __all__ = [
     "ExchangeReduceScatter",
     "canonical_sum",
+    "clip_grad_norm_",
     "set_deterministic",
     "set_exchange_reduce",
 ]
@@ -211,3 +213,126 @@ def set_deterministic(model: nn.Module, enabled: bool = True) -> None:
     comm = ExchangeReduceScatter() if enabled else None
     for m in modules:
         m._update(False, reduce={"exact": bool(enabled), "comm": comm})
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """``fsdp2.clip_grad_norm_`` with a total norm that is the same bits at every world size.
+
+    The squares are summed exactly in fp64 (an fp32 square is exact there) per row of each
+    gradient (dim 0: a row is never split between ranks), in a fixed pairwise tree; the rows'
+    sums are gathered over the shard group (one all-gather per process group, one fp64 per
+    row) and summed in a fixed tree over the global row index, then over the parameters in
+    the order given. So the norm does not depend on how the rows are spread over ranks. The
+    clipping itself is elementwise. For the deterministic mode (docs/reproducibility.md).
+
+    Same arguments and return as ``torch.nn.utils.clip_grad_norm_``; every rank calls it.
+    ``norm_type`` 2 or ``inf`` (a maximum is exact anyway).
+
+    Raises:
+        ValueError: another ``norm_type``, or a gradient sharded on another dim than 0 or
+            with a ``Partial`` placement (tensor parallelism: use ``fsdp2.clip_grad_norm_``).
+        RuntimeError: ``error_if_nonfinite`` and the norm is not finite.
+    """
+    from fsdp2._core.unsharded import sharded_of
+    from fsdp2.clip import clip_grad_norm_ as clip_any
+
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    params = list({id(s): s for s in map(sharded_of, params)}.values())
+    if norm_type == float("inf"):
+        return clip_any(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    if float(norm_type) != 2.0:
+        raise ValueError(f"reduction.clip_grad_norm_: norm_type 2 or inf, got {norm_type}")
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    total = _invariant_norm(grads)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"reduction.clip_grad_norm_: the total norm of the gradients is {total.item()}; "
+            "pass error_if_nonfinite=False to clip anyway"
+        )
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            by_mesh.setdefault(key, []).append(p)
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach)
+    return total
+
+
+def _halve(x: torch.Tensor) -> torch.Tensor:
+    """Sum the last dim of ``x`` in a fixed pairwise tree (zero-padded to a power of two):
+    elementwise adds only, so the result does not depend on the other dims' sizes."""
+    n = x.size(-1)
+    if n == 0:
+        return x.new_zeros(x.shape[:-1])
+    width = 1 << (n - 1).bit_length()
+    if width != n:
+        x = torch.cat([x, x.new_zeros(*x.shape[:-1], width - n)], dim=-1)
+    while x.size(-1) > 1:
+        half = x.size(-1) // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]
+
+
+def _row_squares(local: torch.Tensor) -> torch.Tensor:
+    rows = local.reshape(local.size(0), -1) if local.dim() else local.reshape(1, 1)
+    return _halve(rows.double().square())
+
+
+def _invariant_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    from fsdp2._core.collectives import all_gather
+
+    per_param: list[torch.Tensor | None] = [None] * len(grads)
+    gathers: dict[Any, list[tuple[int, torch.Tensor, int, int]]] = {}  # pg -> (i, rows, R, c)
+    for i, g in enumerate(grads):
+        if not isinstance(g, DTensor):
+            per_param[i] = _halve(_row_squares(g))
+            continue
+        shard_dims = [d for d, pl in enumerate(g.placements) if not pl.is_replicate()]
+        for d in shard_dims:
+            pl = g.placements[d]
+            if not (pl.is_shard() and pl.dim == 0) or len(shard_dims) > 1:  # type: ignore[attr-defined]
+                raise ValueError(
+                    f"reduction.clip_grad_norm_: a gradient placed {g.placements}: only "
+                    "dim-0 sharded (FSDP, HSDP) and replicated gradients; use "
+                    "fsdp2.clip_grad_norm_ for tensor parallelism"
+                )
+        rows = _row_squares(g.to_local())
+        if not shard_dims:
+            per_param[i] = _halve(rows)
+            continue
+        pg = g.device_mesh.get_group(shard_dims[0])
+        n = pg.size()
+        chunk = -(-g.shape[0] // n) if g.dim() else 1
+        padded = rows.new_zeros(chunk)
+        padded[: rows.numel()] = rows
+        gathers.setdefault(pg, []).append((i, padded, g.shape[0] if g.dim() else 1, chunk))
+    for pg, items in gathers.items():
+        flat = torch.cat([rows for _, rows, _, _ in items])
+        n = pg.size()
+        (pending,) = all_gather([flat], pg, n, "exact gradient norm")
+        gathered = pending.wait()
+        assert gathered is not None  # a Pending (no ``into``): its output
+        out = gathered.view(n, -1)
+        offset = 0
+        for i, _, total_rows, chunk in items:
+            cols = out[:, offset : offset + chunk].reshape(-1)  # rank-major: global row order
+            per_param[i] = _halve(_real_rows(cols, total_rows, chunk, n))
+            offset += chunk
+    stacked = torch.stack([t for t in per_param if t is not None])
+    return _halve(stacked).sqrt().to(grads[0].dtype)
+
+
+def _real_rows(cols: torch.Tensor, total: int, chunk: int, n: int) -> torch.Tensor:
+    """The gathered rows without each rank's padding (rank ``r`` holds rows ``r*chunk`` to
+    ``min((r+1)*chunk, total)``)."""
+    keep = [cols[r * chunk : r * chunk + max(0, min(chunk, total - r * chunk))] for r in range(n)]
+    return torch.cat(keep)

@@ -6,7 +6,7 @@ collectives.py issues, gloo.py adds the gloo exchanges."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -19,10 +19,17 @@ __all__ = [
     "BackendAlloc",
     "Pending",
     "SharedWork",
+    "Waitable",
     "copy_out",
     "empty_buffer",
     "pack_for_reduce_scatter",
 ]
+
+
+class Waitable(Protocol):
+    """Anything with a ``Work``'s ``wait`` (an exchange that sums at the wait: exact.py)."""
+
+    def wait(self, timeout: Any = ...) -> Any: ...
 
 
 class SharedWork:
@@ -31,7 +38,7 @@ class SharedWork:
 
     __slots__ = ("work",)
 
-    def __init__(self, work: dist.Work | SharedWork | None) -> None:
+    def __init__(self, work: dist.Work | SharedWork | Waitable | None) -> None:
         self.work = work
 
     def wait(self) -> None:
@@ -48,7 +55,7 @@ class Pending(NamedTuple):
     """
 
     output: torch.Tensor
-    work: dist.Work | SharedWork | None
+    work: dist.Work | SharedWork | Waitable | None
     input: torch.Tensor | None = None
     copy: bool = False  # ``output`` is a view into ``input``: return a copy of it
     own_row: int = -1  # an all-gather's row of ``output`` still only in ``input``
