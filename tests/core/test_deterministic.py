@@ -6,10 +6,10 @@ last. With the deterministic reduction the per-micro-batch losses, the full grad
 before each optimizer step, the parameters and AdamW's state after it are bitwise equal on
 1, 2 and 4 ranks and on HSDP 2x2 in fp32, and on 1 and 4 ranks and HSDP 2x2 with bf16
 compute; with the default reduction (the loss divided by the accumulation steps, averaged
-over ranks: the same mathematics) they are not. The same for Muon (with AdamW) and a
-Hugging Face Llama on 4 ranks and HSDP 2x2, and for a run checkpointed (DCP) on 2 ranks and
-resumed on 4. A rank summing a number of micro-batches that is not a power of two raises on
-every rank before any collective.
+over ranks: the same mathematics) they are not. The same for Muon (with AdamW), a Hugging
+Face Llama and the MoE sharded as torchtitan does on 4 ranks and HSDP 2x2, and for a run
+checkpointed (DCP) on 2 ranks and resumed on 4. A rank summing a number of micro-batches
+that is not a power of two raises on every rank before any collective.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 import fsdp2
 from fsdp2 import reduction
 from fsdp2.models import Llama, LlamaConfig
+from fsdp2.models.moe import MoEConfig, MoETransformer, parallelize_moe
 from fsdp2.optim import Muon, muon_param_groups
 from fsdp2.reduction import set_deterministic
 
@@ -48,6 +49,8 @@ def _model(kind: str) -> torch.nn.Module:
         from transformers import LlamaForCausalLM
 
         return LlamaForCausalLM(hf_llama_config(CFG.vocab_size))
+    if kind == "moe":
+        return MoETransformer(MoEConfig(vocab_size=CFG.vocab_size))
     return Llama(CFG)
 
 
@@ -109,10 +112,13 @@ def _train(
     policy = fsdp2.MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if mp == "bf16" else None, reduce_dtype=None
     )
-    blocks = model.model.layers if kind == "hf" else model.layers
-    for block in blocks:
-        fsdp2.fully_shard(block, mesh=mesh, mp_policy=policy)
-    fsdp2.fully_shard(model, mesh=mesh, mp_policy=policy)
+    if kind == "moe":  # torchtitan's layout, experts sharded on their own dim (divide by 1)
+        parallelize_moe(model, fully_shard=fsdp2.fully_shard, dp_mesh=mesh, mp_policy=policy)
+    else:
+        blocks = model.model.layers if kind == "hf" else model.layers
+        for block in blocks:
+            fsdp2.fully_shard(block, mesh=mesh, mp_policy=policy)
+        fsdp2.fully_shard(model, mesh=mesh, mp_policy=policy)
     if deterministic:
         set_deterministic(model)
     opts = _Optimizers(model, optim)
@@ -211,7 +217,7 @@ def test_micro_batches_not_a_power_of_two_raise() -> None:
         assert "3 micro-batches" in msg and "power of two" in msg, msg
 
 
-@pytest.mark.parametrize("optim,kind", [("muon", "llama"), ("adamw", "hf")])
+@pytest.mark.parametrize("optim,kind", [("muon", "llama"), ("adamw", "hf"), ("adamw", "moe")])
 def test_muon_and_a_hugging_face_model(optim: str, kind: str) -> None:
     if kind == "hf":
         pytest.importorskip("transformers", reason="transformers is a test extra")
