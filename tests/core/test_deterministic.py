@@ -7,7 +7,8 @@ before each optimizer step, the parameters and AdamW's state after it are bitwis
 1, 2 and 4 ranks and on HSDP 2x2 in fp32, and on 1 and 4 ranks and HSDP 2x2 with bf16
 compute; with the default reduction (the loss divided by the accumulation steps, averaged
 over ranks: the same mathematics) they are not. The same for Muon (with AdamW), a Hugging
-Face Llama and the MoE sharded as torchtitan does on 4 ranks and HSDP 2x2, and for a run
+Face Llama, the MoE sharded as torchtitan does and the MoE with its experts on a mesh of
+their own, on 4 ranks and HSDP 2x2, and for a run
 checkpointed (DCP) on 2 ranks and resumed on 4. A rank summing a number of micro-batches
 that is not a power of two raises on every rank before any collective.
 """
@@ -23,8 +24,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from _harness import run_on_ranks
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 
 import fsdp2
 from fsdp2 import reduction
@@ -49,7 +50,7 @@ def _model(kind: str) -> torch.nn.Module:
         from transformers import LlamaForCausalLM
 
         return LlamaForCausalLM(hf_llama_config(CFG.vocab_size))
-    if kind == "moe":
+    if kind in ("moe", "moe_mesh"):
         return MoETransformer(MoEConfig(vocab_size=CFG.vocab_size))
     return Llama(CFG)
 
@@ -114,6 +115,18 @@ def _train(
     )
     if kind == "moe":  # torchtitan's layout, experts sharded on their own dim (divide by 1)
         parallelize_moe(model, fully_shard=fsdp2.fully_shard, dp_mesh=mesh, mp_policy=policy)
+    elif kind == "moe_mesh":  # experts on a mesh of their own: every rank, 1D, its own group
+        own = DeviceMesh.from_group(dist.new_group(list(range(world))), "cpu")
+        for block in model.blocks():
+            experts = set(block.moe.experts.parameters())
+            on_own = fsdp2.ShardPlacementResult(Shard(0), own)
+            fsdp2.fully_shard(
+                block,
+                mesh=mesh,
+                mp_policy=policy,
+                shard_placement_fn=lambda p, e=experts, o=on_own: o if p in e else None,
+            )
+        fsdp2.fully_shard(model, mesh=mesh, mp_policy=policy)
     else:
         blocks = model.model.layers if kind == "hf" else model.layers
         for block in blocks:
@@ -217,7 +230,9 @@ def test_micro_batches_not_a_power_of_two_raise() -> None:
         assert "3 micro-batches" in msg and "power of two" in msg, msg
 
 
-@pytest.mark.parametrize("optim,kind", [("muon", "llama"), ("adamw", "hf"), ("adamw", "moe")])
+@pytest.mark.parametrize(
+    "optim,kind", [("muon", "llama"), ("adamw", "hf"), ("adamw", "moe"), ("adamw", "moe_mesh")]
+)
 def test_muon_and_a_hugging_face_model(optim: str, kind: str) -> None:
     if kind == "hf":
         pytest.importorskip("transformers", reason="transformers is a test extra")
