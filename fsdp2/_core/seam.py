@@ -105,6 +105,12 @@ def divide_unreduced_grads(module: nn.Module, factor: float) -> None:
     schedule steps, scaled once. Between steps only (no collective)."""
     for st in _states(module, recurse=True):
         for group, state in zip(st.groups, st.slot.grads, strict=True):
+            if group.reduce.exact:
+                raise RuntimeError(
+                    f"{group.path}: fsdp2.reduction.set_deterministic does not cover pipeline "
+                    "schedules (their gradient scaling between schedule steps); turn it off "
+                    "for pipelined stages (docs/reproducibility.md)"
+                )
             bank_grads(group, state, factor)
 
 
