@@ -38,13 +38,7 @@ def clip_grad_norm_(
     ``unshard()``), their sharded parameters' gradients are clipped, the ones the
     optimizer steps with (``torch.nn.utils.clip_grad_norm_`` would miss them).
     """
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    params = list({id(s): s for s in map(sharded_of, params)}.values())
-    by_mesh: dict[object, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
-            by_mesh.setdefault(key, []).append(p)
+    by_mesh = by_grad_mesh(sharded_params(parameters))
     if not by_mesh:
         return torch.tensor(0.0)
     norms = []
@@ -54,6 +48,33 @@ def clip_grad_norm_(
         )
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     total = torch.nn.utils.get_total_norm(norms, norm_type, error_if_nonfinite, foreach)
+    clip_with_norm(by_mesh, max_norm, total, foreach)
+    return total
+
+
+def sharded_params(parameters: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """``parameters`` as the sharded parameters behind them (registered temporaries mapped
+    to theirs), each once, in order."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    return list({id(s): s for s in map(sharded_of, params)}.values())
+
+
+def by_grad_mesh(params: list[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
+    """The parameters with a gradient, by their gradient's mesh (``None``: plain)."""
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            by_mesh.setdefault(key, []).append(p)
+    return by_mesh
+
+
+def clip_with_norm(
+    by_mesh: dict[object, list[torch.Tensor]],
+    max_norm: float,
+    total: torch.Tensor,
+    foreach: bool | None,
+) -> None:
+    """Scale each mesh's gradients by ``max_norm / total`` (at most 1): one foreach op each."""
     for group in by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach)
-    return total

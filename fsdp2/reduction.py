@@ -239,31 +239,24 @@ def clip_grad_norm_(
             with a ``Partial`` placement (tensor parallelism: use ``fsdp2.clip_grad_norm_``).
         RuntimeError: ``error_if_nonfinite`` and the norm is not finite.
     """
-    from fsdp2._core.unsharded import sharded_of
+    from fsdp2.clip import by_grad_mesh, clip_with_norm, sharded_params
     from fsdp2.clip import clip_grad_norm_ as clip_any
 
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    params = list({id(s): s for s in map(sharded_of, params)}.values())
+    params = sharded_params(parameters)
     if norm_type == float("inf"):
         return clip_any(params, max_norm, norm_type, error_if_nonfinite, foreach)
     if float(norm_type) != 2.0:
         raise ValueError(f"reduction.clip_grad_norm_: norm_type 2 or inf, got {norm_type}")
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+    by_mesh = by_grad_mesh(params)
+    if not by_mesh:
         return torch.tensor(0.0)
-    total = _invariant_norm(grads)
+    total = _invariant_norm([p.grad for p in params if p.grad is not None])
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"reduction.clip_grad_norm_: the total norm of the gradients is {total.item()}; "
             "pass error_if_nonfinite=False to clip anyway"
         )
-    by_mesh: dict[object, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
-            by_mesh.setdefault(key, []).append(p)
-    for group in by_mesh.values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach)
+    clip_with_norm(by_mesh, max_norm, total, foreach)
     return total
 
 
