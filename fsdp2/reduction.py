@@ -144,6 +144,17 @@ class ExchangeReduceScatter(ReduceScatter):
             return None
         return work
 
+    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup, op: Any) -> Any:
+        """HSDP's all-reduce across replicas by exchange, in the same wire: each rank sums
+        one chunk of every replica's gradients in fp32 in the canonical order, and the summed
+        chunks travel back in ``wire_dtype`` (every replica ends with the same values). The
+        engine calls it for groups reduced by this comm (``collectives.all_reduce``)."""
+        work, sent = exact.exchange_all_reduce(
+            tensor, group, wire=self.wire_dtype, block=self.block_size, average=_average(op)
+        )
+        self.bytes_sent += sent
+        return work
+
 
 def _average(op: Any) -> bool:
     if op in (dist.ReduceOp.SUM, "sum"):

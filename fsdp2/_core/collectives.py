@@ -175,14 +175,27 @@ def _reduce_scatter_packed(
     return Pending(output, work, input)
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, what: What, *, op: Any) -> Pending:
-    """All-reduce ``tensor`` in place."""
+def all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    what: What,
+    *,
+    op: Any,
+    comm: ReduceScatter | None = None,
+) -> Pending:
+    """All-reduce ``tensor`` in place; through ``comm.all_reduce(tensor, group, op)`` when the
+    group's custom reduce-scatter has one (``fsdp2.reduction.ExchangeReduceScatter``: HSDP's
+    all-reduce by exchange, in its wire dtype)."""
+    custom = getattr(comm, "all_reduce", None)
     if HUB.observers:
         n, size = tensor.numel(), group.size()
+        transport = "custom" if custom is not None else "all_reduce"
         HUB.collective(
-            Collective("all-reduce", _text(what), n, n, tensor.dtype, group, size, "all_reduce", op)
+            Collective("all-reduce", _text(what), n, n, tensor.dtype, group, size, transport, op)
         )
     with label("all_reduce issue", what):
+        if custom is not None:
+            return Pending(tensor, custom(tensor, group, op))
         return Pending(tensor, dist.all_reduce(tensor, op=op, group=group, async_op=True))
 
 

@@ -127,6 +127,15 @@ def _fp8_pack(rows: torch.Tensor, dtype: torch.dtype, block: int) -> tuple[torch
     return send, unpack
 
 
+def _encode(rows: torch.Tensor, wire: torch.dtype, block: int) -> tuple[torch.Tensor, Any]:
+    """``rows`` as they travel in ``wire`` (fp8: packed with per-block scales), and the
+    function that reads received rows back as fp32."""
+    if wire in FP8:
+        return _fp8_pack(rows, wire, block)
+    send = rows if rows.dtype == wire else rows.to(wire)
+    return send, lambda recv: recv.float()
+
+
 def exchange_reduce_scatter(
     output: torch.Tensor,
     rows: torch.Tensor,
@@ -141,18 +150,13 @@ def exchange_reduce_scatter(
     receives in fp32 in the canonical order, divides by the world size if ``average``, and
     casts into ``output`` at the wait. Returns the work and the bytes this rank sends."""
     world = rows.size(0)
-    if wire in FP8:
-        send, unpack = _fp8_pack(rows, wire, block)
-    else:
-        send = rows if rows.dtype == wire else rows.to(wire)
-        unpack = None
+    send, decode = _encode(rows, wire, block)
     recv = torch.empty_like(send)
     work = dist.all_to_all_single(recv.view(-1), send.view(-1), group=group, async_op=True)
 
     def finish() -> None:
         # fp32 pieces (``recv`` itself when it is fp32: it is ours to sum into)
-        pieces = unpack(recv) if unpack is not None else recv.float()
-        total = canonical_sum(list(pieces.unbind(0)))
+        total = canonical_sum(list(decode(recv).unbind(0)))
         if average:
             total.div_(world)
         output.copy_(total)
@@ -160,22 +164,36 @@ def exchange_reduce_scatter(
     return ExchangeWork(work, finish), send.numel() * send.element_size()
 
 
-def exchange_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> ExchangeWork:
-    """Sum ``tensor`` (fp32, 1D) over ``group`` in place, in the canonical order over the
-    group's ranks: each rank sums one chunk of every rank's tensor (an exchange), then the
-    summed chunks are exchanged back; the bytes of a ring all-reduce."""
+def exchange_all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    wire: torch.dtype | None = None,
+    block: int = 128,
+    average: bool = False,
+) -> tuple[ExchangeWork, int]:
+    """Sum (or average) ``tensor`` (1D) over ``group`` in place, in the canonical order over
+    the group's ranks: each rank sums one chunk of every rank's tensor in fp32 (an exchange in
+    ``wire``), then the summed chunks travel back (in ``wire`` too, so every rank ends with
+    the same values, its own chunk read back as the others read it); a ring all-reduce's
+    bytes. Returns the work and the bytes this rank sends."""
     world = group.size()
     n = tensor.numel()
     chunk = -(-n // world)
-    send = torch.zeros(world * chunk, dtype=tensor.dtype, device=tensor.device)
-    send[:n] = tensor
-    recv = torch.empty_like(send)
-    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    rows = torch.zeros(world, chunk, dtype=torch.float32, device=tensor.device)
+    rows.view(-1)[:n] = tensor
+    mine = torch.empty(chunk, dtype=torch.float32, device=tensor.device)
+    wire = wire or tensor.dtype
+    first, sent = exchange_reduce_scatter(
+        mine, rows, group, wire=wire, block=block, average=average
+    )
 
     def finish() -> None:
-        mine = canonical_sum(list(recv.view(world, chunk).unbind(0)))
-        out = torch.empty_like(send)
-        dist.all_to_all_single(out, mine.expand(world, chunk).contiguous().view(-1), group=group)
-        tensor.copy_(out[:n])
+        send, decode = _encode(mine.expand(world, chunk), wire, block)
+        send = send.contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv.view(-1), send.view(-1), group=group)
+        tensor.copy_(decode(recv).reshape(-1)[:n])
 
-    return ExchangeWork(work, finish)
+    # the second exchange's bytes equal the first's (same rows, same wire)
+    return ExchangeWork(first, finish), 2 * sent

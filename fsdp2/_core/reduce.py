@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from fsdp2._core.collectives import DividePlan, all_reduce, reduce_scatter
-from fsdp2._core.exact import TreeSum, exchange_all_reduce, is_power_of_two
+from fsdp2._core.exact import TreeSum, is_power_of_two
 from fsdp2._core.labels import label
 from fsdp2._core.param import FSDPParam
 from fsdp2._core.transport import Pending
@@ -130,10 +130,9 @@ class Reduction:
                     out.add_(part.state.partial)
                     part.state.partial = None
             self.stage = ReduceStage.ALL_REDUCE
-            if g.reduce.exact:
-                self.pending = Pending(output, exchange_all_reduce(output, replicate))
-            else:
-                self.pending = all_reduce(output, replicate, self._what, op=self.plan.ar_op)
+            self.pending = all_reduce(
+                output, replicate, self._what, op=self.plan.ar_op, comm=g.reduce.comm
+            )
             return False
         for part, out in self._slices(output):
             if part.group.has_scalars:

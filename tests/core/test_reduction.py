@@ -8,7 +8,8 @@
   which each rank can rebuild), averaged for ``AVG``; it sends half (bf16) or about a
   quarter (fp8) of fp32's bytes; bad arguments raise before any collective;
 * training with ``set_exchange_reduce`` matches the replica (and the fp32 wire repeats
-  itself bitwise);
+  itself bitwise), on FSDP and on HSDP 2x2, where the all-reduce across replicas goes by
+  exchange in the wire too and every replica ends with the same shards, bit for bit;
 * on 8 ranks, the bf16 wire's error against the exact sum is below a bf16 reduce's
   (gloo's all-reduce in bf16, what ``reduce_dtype=torch.bfloat16`` runs on gloo), median
   and max over the elements.
@@ -20,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _harness import run_on_ranks
-from helpers import train_and_compare, world_mesh
+from helpers import hsdp_mesh, train_and_compare, world_mesh
 from models import build, local_loss, make_batch, make_optimizer, shard_model
 
 from fsdp2 import fully_shard
@@ -190,3 +191,37 @@ def test_bf16_wire_error_below_bf16_reduce_at_world_size_8() -> None:
         wire, bf16 = errs["bf16 wire, fp32 sum"], errs["bf16 reduce"]
         assert wire[0] < bf16[0] and wire[1] <= bf16[1], f"rank {rank}: {errs}"
         assert errs["fp32 exchange"][0] < wire[0], f"rank {rank}: {errs}"
+
+
+# ---------------------------------------------------------------------------------------------
+# HSDP: the all-reduce across replicas by exchange, in the wire
+
+
+def _hsdp_wire(wire: str) -> None:
+    name = "mlp_head"
+    mesh = hsdp_mesh((2, 2))
+    model = shard_model(build(name), fully_shard, mesh)
+    comm = set_exchange_reduce(model, None if wire == "fp32" else torch.bfloat16)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if wire == "fp32" else {"atol": 2e-2, "rtol": 2e-2}
+    train_and_compare(
+        build(name),
+        {"fsdp2": model},
+        batch=lambda step: make_batch(name, step),
+        loss=lambda m, x, y: local_loss(m, name, x, y),
+        optimizer=lambda p: make_optimizer("adamw", p),
+        tol=tol,
+    )
+    # every replica holds the same shards, bit for bit (each read the summed chunks back
+    # from the same bytes)
+    replicate = mesh.get_group("replicate")
+    for n, p in model.named_parameters():
+        local = p.to_local().detach().contiguous()
+        both = [torch.empty_like(local) for _ in range(2)]
+        dist.all_gather(both, local, group=replicate)
+        assert torch.equal(both[0], both[1]), f"{n}: the replicas differ"
+    assert comm.bytes_sent > 0
+
+
+@pytest.mark.parametrize("wire", ["fp32", "bf16"])
+def test_hsdp_all_reduce_by_exchange(wire: str) -> None:
+    run_on_ranks(4, _hsdp_wire, wire)
