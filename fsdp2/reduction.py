@@ -235,8 +235,8 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """``fsdp2.clip_grad_norm_`` with a total norm that is the same bits at every world size.
 
-    The squares are summed exactly in fp64 (an fp32 square is exact there) per row of each
-    gradient (dim 0: a row is never split between ranks), in a fixed pairwise tree; the rows'
+    The squares are taken in fp64 (an fp32 square is exact there) and summed per row of each
+    gradient (dim 0: a row is never split between ranks) in a fixed pairwise tree; the rows'
     sums are gathered over the shard group (one all-gather per process group, one fp64 per
     row) and summed in a fixed tree over the global row index, then over the parameters in
     the order given. So the norm does not depend on how the rows are spread over ranks. The
