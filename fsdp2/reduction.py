@@ -175,18 +175,22 @@ def set_exchange_reduce(
     Raises:
         ValueError: ``model`` holds no ``fully_shard`` module, or bad arguments.
     """
+    comm = ExchangeReduceScatter(wire_dtype, block_size=block_size)
+    for m in _fsdp_modules(model, "set_exchange_reduce"):
+        m.set_custom_reduce_scatter(comm)
+    return comm
+
+
+def _fsdp_modules(model: nn.Module, who: str) -> list[Any]:
+    """Every ``fully_shard`` module of ``model``, itself included; ``ValueError`` if none."""
     from fsdp2._core.sharding import FSDPModule
 
-    comm = ExchangeReduceScatter(wire_dtype, block_size=block_size)
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError(
-            f"set_exchange_reduce: {type(model).__name__} holds no fully_shard module: "
-            "call fully_shard first"
+            f"{who}: {type(model).__name__} holds no fully_shard module: call fully_shard first"
         )
-    for m in modules:
-        m.set_custom_reduce_scatter(comm)
-    return comm
+    return modules
 
 
 def set_deterministic(model: nn.Module, enabled: bool = True) -> None:
@@ -213,14 +217,7 @@ def set_deterministic(model: nn.Module, enabled: bool = True) -> None:
         RuntimeError: at a reduction, when a rank summed a number of micro-batches that is
             not a power of two on more than one data-parallel rank (before any collective).
     """
-    from fsdp2._core.sharding import FSDPModule
-
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not modules:
-        raise ValueError(
-            f"set_deterministic: {type(model).__name__} holds no fully_shard module: "
-            "call fully_shard first"
-        )
+    modules = _fsdp_modules(model, "set_deterministic")
     comm = ExchangeReduceScatter() if enabled else None
     for m in modules:
         m._update(False, reduce={"exact": bool(enabled), "comm": comm})

@@ -61,11 +61,10 @@ class TreeSum:
     """The canonical sum of a stream of leaves (a leaf may be ``None``: no gradient in that
     micro-batch, which adds nothing), kept as a binary counter of partial sums."""
 
-    __slots__ = ("levels", "count")
+    __slots__ = ("levels",)
 
     def __init__(self) -> None:
         self.levels: list[tuple[int, torch.Tensor | None]] = []  # oldest (largest) first
-        self.count = 0
 
     def push(self, leaf: torch.Tensor | None) -> None:
         level, x = 0, leaf
@@ -74,7 +73,6 @@ class TreeSum:
             x = _add(older, x)
             level += 1
         self.levels.append((level, x))
-        self.count += 1
 
     def fold(self) -> torch.Tensor | None:
         """The sum of every leaf pushed (S(older) + (... + S(newest))), and empty again."""
@@ -82,7 +80,6 @@ class TreeSum:
         for _, x in reversed(self.levels):
             total = _add(x, total) if x is not None else total
         self.levels.clear()
-        self.count = 0
         return total
 
 
@@ -180,8 +177,12 @@ def exchange_all_reduce(
     world = group.size()
     n = tensor.numel()
     chunk = -(-n // world)
-    rows = torch.zeros(world, chunk, dtype=torch.float32, device=tensor.device)
-    rows.view(-1)[:n] = tensor
+    if n == world * chunk:  # sent as it is (only overwritten once the exchanges are done)
+        rows = tensor.view(world, chunk)
+    else:
+        rows = tensor.new_zeros(world * chunk)
+        rows[:n] = tensor
+        rows = rows.view(world, chunk)
     mine = torch.empty(chunk, dtype=torch.float32, device=tensor.device)
     wire = wire or tensor.dtype
     first, sent = exchange_reduce_scatter(

@@ -154,8 +154,7 @@ def _exact_divisor(part: Part) -> float:
     g = part.group
     if g.reduce.divide_factor is not None:
         return g.reduce.divide_factor
-    replicate = g.info.replicate_size if g.info.replicate_group is not None else 1
-    return float(part.leaves * g.world * replicate)
+    return float(part.leaves * g.world * g.info.replicate_size)
 
 
 def push_exact(group: ParamGroup, state: GradState) -> None:
@@ -250,9 +249,8 @@ def take_grads(group: ParamGroup, state: GradState) -> Part | None:
     """Take the gradients computed so far off the unsharded parameters, adding the no-sync
     sums of ``state`` (``None`` if there are none), ready for ``reduce`` alone or in a
     bucket with other groups'."""
-    leaves = state.leaves
     params, grads = _take_grads(group, state)
-    leaves, state.leaves = max(leaves, state.leaves), 0
+    leaves, state.leaves = state.leaves, 0  # exact reduction: the micro-batches summed
     if not params:
         return None
     w = group.world
@@ -270,7 +268,7 @@ def reduce_dtype_of(group: ParamGroup) -> torch.dtype:
 
 
 def _check_leaves(group: ParamGroup, leaves: int) -> None:
-    replicate = group.info.replicate_size if group.info.replicate_group is not None else 1
+    replicate = group.info.replicate_size  # 1 without a replicate group
     if group.world * replicate > 1 and leaves and not is_power_of_two(leaves):
         raise RuntimeError(
             f"deterministic reduction of {group.path}: {leaves} micro-batches were summed on "
