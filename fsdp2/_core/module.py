@@ -423,6 +423,9 @@ class FSDPModule:
         backward adds to the last step's gradients there."""
         super().zero_grad(set_to_none)  # type: ignore[misc]
         for g in self._groups(recurse=True):
+            for p in g.params:  # [Note: pieces] in pieces.py
+                if p.piece_grad is not None:
+                    p.piece_grad = None if set_to_none else p.piece_grad.zero_()
             if g.sharded_state is Sharded.SHARDED:
                 continue
             for p in g.params:

@@ -26,6 +26,7 @@ from fsdp2._core.collectives import DividePlan, all_reduce, reduce_scatter
 from fsdp2._core.exact import TreeSum, is_power_of_two
 from fsdp2._core.labels import label
 from fsdp2._core.param import FSDPParam
+from fsdp2._core.pieces import land_pieces, piece_views
 from fsdp2._core.transport import Pending
 
 if TYPE_CHECKING:
@@ -69,6 +70,7 @@ class ReduceStage(enum.Enum):
 
     REDUCE_SCATTER = "reduce-scatter"
     ALL_REDUCE = "all-reduce"
+    REPLICA_SCATTER = "replica reduce-scatter"  # [Note: pieces] in pieces.py
     DONE = "done"
 
 
@@ -112,7 +114,7 @@ class Reduction:
         assert self.stage is not ReduceStage.DONE, "advancing a finished reduction"
         g = self.group
         scatter = self.stage is ReduceStage.REDUCE_SCATTER
-        kind = "reduce_scatter wait" if scatter else "all_reduce wait"
+        kind = "all_reduce wait" if self.stage is ReduceStage.ALL_REDUCE else "reduce_scatter wait"
         # one shard rank: the "reduce-scatter" ran no collective, so no wait to label
         waiting = nullcontext() if scatter and g.world == 1 else label(kind, self._what)
         with waiting:
@@ -129,11 +131,17 @@ class Reduction:
                 if part.state.partial is not None:
                     out.add_(part.state.partial)
                     part.state.partial = None
+            if g.reduce.replica_shard:
+                self._scatter_over_replicas(output, replicate)
+                return False
             self.stage = ReduceStage.ALL_REDUCE
             self.pending = all_reduce(
                 output, replicate, self._what, op=self.plan.ar_op, comm=g.reduce.comm
             )
             return False
+        if self.stage is ReduceStage.REPLICA_SCATTER:
+            self._land_pieces(output)
+            return True
         for part, out in self._slices(output):
             if part.group.has_scalars:
                 _agree_on_scalars(part, out)
@@ -146,6 +154,39 @@ class Reduction:
             self.host_copy |= land_grads(part.group, part.params, out)
         self.stage = ReduceStage.DONE
         return True
+
+    def _scatter_over_replicas(self, output: torch.Tensor, replicate: dist.ProcessGroup) -> None:
+        """[Note: pieces]: reduce-scatter each parameter's reduced local gradient over the
+        replicas (instead of all-reducing the shard); each rank keeps its piece."""
+        g = self.group
+        views = []
+        for part, out in self._slices(output):
+            if part.group.has_scalars:
+                _agree_on_scalars(part, out)
+            views += piece_views(part.params, out)
+        self.stage = ReduceStage.REPLICA_SCATTER
+        self.pending = reduce_scatter(
+            views,
+            g.info.replicate_size,
+            output.dtype,
+            replicate,
+            lambda: "replicas: " + self._what(),
+            op=self.plan.ar_op,
+            comm=g.reduce.comm,
+        )
+
+    def _land_pieces(self, output: torch.Tensor) -> None:
+        offset = 0
+        for part in self.parts:
+            n = sum(-(-p.local_numel // part.group.info.replicate_size) for p in part.params)
+            out = output.narrow(0, offset, n)
+            offset += n
+            if part.group.reduce.hook is not None:
+                part.group.reduce.hook(out)
+            if self.plan.post is not None:
+                out.div_(self.plan.post)
+            land_pieces(part.group, part.params, out)
+        self.stage = ReduceStage.DONE
 
 
 def _exact_divisor(part: Part) -> float:

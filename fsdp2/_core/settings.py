@@ -61,6 +61,9 @@ class ReduceSettings:
             alone.
         exact: sum micro-batches and ranks in the canonical order, in fp32, and divide
             once (``fsdp2.reduction.set_deterministic``; [Note: canonical sum] in exact.py).
+        replica_shard: HSDP: reduce-scatter over the replicate dim instead of the
+            all-reduce, each rank keeping its piece of every parameter's gradient
+            (``fsdp2.replica_optim``; [Note: pieces] in pieces.py).
     """
 
     sync: bool = True
@@ -74,3 +77,4 @@ class ReduceSettings:
     group: dist.ProcessGroup | None = None
     bucket_bytes: int | None = None
     exact: bool = False
+    replica_shard: bool = False

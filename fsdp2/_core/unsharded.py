@@ -29,7 +29,16 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-__all__ = ["install_optimizer_check", "sharded_of", "track"]
+__all__ = [
+    "REPLICA_MARK",
+    "install_optimizer_check",
+    "sharded_of",
+    "sharded_owners",
+    "track",
+]
+
+# set on a ReplicaShardedOptimizer: it steps parameters of replica-sharded groups
+REPLICA_MARK = "_fsdp2_replica_sharded"
 
 # Every group's parameters, tracked weakly (a weak reference to an unsharded parameter itself
 # would stop ``torch.utils.swap_tensors``, which relayouts use): the check looks parameters
@@ -63,7 +72,7 @@ def _tracked_map() -> dict[int, _Entry]:
             for i, p in enumerate(g.params):
                 if p.unsharded is not None:
                     found[id(p.unsharded)] = (ref, i, "unsharded")
-                if g.world == 1:
+                if g.world == 1 or g.reduce.replica_shard:
                     found[id(p.sharded)] = (ref, i, "sharded")
             faces = g.small.faces if g.small is not None else None
             for face, p in zip(faces or (), g.flat_params, strict=False):
@@ -114,7 +123,9 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                 continue
             fp = group.params[entry[1]]
             face = entry[2]
-            if face == "sharded":  # a sharded parameter of a group with one shard rank
+            if face == "sharded":  # of a group with one shard rank, or replica sharding
+                if group.reduce.replica_shard and not getattr(optimizer, REPLICA_MARK, False):
+                    _refuse_pieced(optimizer, group, fp.fqn, i, j)
                 if fp.sharded is p and p.grad is not None and group.aliased:
                     written[id(group)] = group
                 continue
@@ -142,6 +153,21 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
             )
     for group in written.values():  # see [Note: steps between forward and backward]
         torch.autograd.graph.increment_version(group.sharded_flat)
+
+
+def _refuse_pieced(optimizer: torch.optim.Optimizer, group: Any, fqn: str, i: int, j: int) -> None:
+    raise RuntimeError(
+        f"fsdp2: {type(optimizer).__name__}.step() would update {fqn} "
+        f"(param_groups[{i}]['params'][{j}]) of fully_shard({group.name}), whose gradient "
+        "is sharded over the replicas by fsdp2.replica_optim: its .grad stays None and only "
+        "the ReplicaShardedOptimizer holding it steps it. Put every parameter of that "
+        "module in the one ReplicaShardedOptimizer (docs/parallelism.md)"
+    )
+
+
+def sharded_owners() -> dict[int, tuple[Any, Any]]:
+    """``id(sharded parameter) -> (its group, its FSDPParam)`` for every live group."""
+    return {id(p.sharded): (g, p) for g in list(_GROUPS) for p in g.params}
 
 
 # [Note: steps between forward and backward]

@@ -1,0 +1,123 @@
+"""HSDP's gradients and optimizer state sharded over the replicas too: the pieces.
+
+# [Note: pieces]
+# On an HSDP mesh (``R`` replicas of ``S`` shards) a group reduce-scatters its gradients over
+# the shard group and then all-reduces its rank's shard over the replicate group, so every
+# replica holds the whole shard's gradient and steps the whole shard: the gradient and the
+# optimizer state are held ``R`` times. With replica sharding (``ReduceSettings.replica_shard``,
+# set by ``fsdp2.replica_optim``) the all-reduce becomes a reduce-scatter over the replicas:
+# each parameter's local shard, flattened (``n`` elements), is cut into ``R`` pieces of
+# ``c = ceil(n / R)`` elements (the last ones shorter, possibly empty: ``piece_range``), and
+# replica rank ``r`` keeps piece ``r`` of every parameter's gradient (``FSDPParam.piece_grad``,
+# in the parameter's dtype). The optimizer steps views of the pieces of the local shard, and
+# ``gather_pieces`` all-gathers the updated pieces over the replicas back into every replica's
+# local shard. An all-reduce is a reduce-scatter and an all-gather: the bytes across replicas
+# are the same when gradients are reduced in the parameters' dtype.
+#
+# Each parameter is cut on its own (not the group's flat shard), so which parameters have a
+# gradient (frozen, unused) never moves another parameter's piece, and a piece is a 1D slice of
+# its parameter's contiguous local shard.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from fsdp2._core.collectives import all_gather
+from fsdp2._core.transport import Pending
+
+if TYPE_CHECKING:
+    from fsdp2._core.group import ParamGroup
+    from fsdp2._core.param import FSDPParam
+
+__all__ = [
+    "finish_gather",
+    "gather_pieces",
+    "land_pieces",
+    "piece_range",
+    "piece_views",
+    "replica_rank",
+]
+
+
+def piece_range(numel: int, replicas: int, rank: int) -> tuple[int, int, int]:
+    """``(start, length, c)``: replica ``rank``'s piece of a flattened local shard of
+    ``numel`` elements cut into ``replicas`` pieces of ``c = ceil(numel / replicas)``."""
+    c = -(-numel // replicas)
+    start = min(rank * c, numel)
+    return start, min(c, numel - start), c
+
+
+def piece_views(params: list[FSDPParam], output: torch.Tensor) -> list[torch.Tensor]:
+    """The flattened local gradients of ``params`` inside a rank's reduce-scatter output
+    (each parameter's slot is ``padded_numel`` long, its gradient the first ``local_numel``)."""
+    views, offset = [], 0
+    for p in params:
+        views.append(output.narrow(0, offset, p.local_numel))
+        offset += p.padded_numel
+    return views
+
+
+def land_pieces(group: ParamGroup, params: list[FSDPParam], output: torch.Tensor) -> int:
+    """Land this replica rank's pieces of ``params``' gradients (``output``: one slot of
+    ``c`` elements per parameter, back to back) as ``FSDPParam.piece_grad``, accumulating
+    into existing ones; returns the elements consumed."""
+    pg = group.info.replicate_group
+    assert pg is not None
+    replicas, rank = group.info.replicate_size, pg.rank()
+    flat = group.sharded_flat
+    offset = 0
+    for p in params:
+        _, length, c = piece_range(p.local_numel, replicas, rank)
+        g = output.narrow(0, offset, length)
+        offset += c
+        if g.device != flat.device or g.dtype != group.orig_dtype:
+            g = g.to(device=flat.device, dtype=group.orig_dtype)
+        if p.piece_grad is None:
+            p.piece_grad = g
+        else:
+            p.piece_grad.add_(g)
+    return offset
+
+
+def gather_pieces(group: ParamGroup, params: list[FSDPParam]) -> Pending:
+    """Issue the all-gather over the replicas of ``params``' updated pieces (of their local
+    shards); ``finish_gather`` copies the result back into every local shard."""
+    pg = group.info.replicate_group
+    assert pg is not None
+    replicas, rank = group.info.replicate_size, pg.rank()
+    device = group.device
+
+    def pack() -> list[torch.Tensor]:
+        slots = []
+        for p in params:
+            start, length, c = piece_range(p.local_numel, replicas, rank)
+            local = p.sharded._local_tensor.view(-1)
+            piece = local.narrow(0, start, length)
+            if length < c:
+                piece = torch.cat([piece, piece.new_zeros(c - length)])
+            slots.append(piece)
+        return [torch.cat(slots).to(device)]
+
+    return all_gather(pack, pg, replicas, lambda: f"replicas: {group.path}")[0]  # type: ignore[return-value]
+
+
+def finish_gather(params: list[FSDPParam], pending: Pending) -> None:
+    """Wait for ``gather_pieces``' all-gather and copy every replica's pieces into place."""
+    rows = pending.wait()  # (replicas, sum of c)
+    offset = 0
+    for p in params:
+        local = p.sharded._local_tensor
+        n = p.local_numel
+        c = -(-n // rows.size(0))
+        whole = rows.narrow(1, offset, c).reshape(-1)[:n]
+        local.view(-1).copy_(whole)
+        offset += c
+
+
+def replica_rank(group: ParamGroup) -> int:
+    pg = group.info.replicate_group
+    return 0 if pg is None else dist.get_rank(pg)
