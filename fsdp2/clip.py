@@ -15,7 +15,8 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from fsdp2._core.unsharded import sharded_of
+from fsdp2._core.piece_state import Slot, clip_slots
+from fsdp2._core.unsharded import any_replica_sharded, sharded_of, sharded_owners
 
 __all__ = ["clip_grad_norm_"]
 
@@ -36,9 +37,16 @@ def clip_grad_norm_(
     ``model.parameters()`` may be taken at any point of a step: where a group
     registers its unsharded parameters (``set_reshard_after_backward(False)``,
     ``unshard()``), their sharded parameters' gradients are clipped, the ones the
-    optimizer steps with (``torch.nn.utils.clip_grad_norm_`` would miss them).
+    optimizer steps with (``torch.nn.utils.clip_grad_norm_`` would miss them). The
+    gradients that ``fsdp2.replica_optim`` keeps in pieces over HSDP's replicas count too.
     """
-    by_mesh = by_grad_mesh(sharded_params(parameters))
+    params = sharded_params(parameters)
+    if any_replica_sharded():  # gradients held in pieces by fsdp2.replica_optim
+        owners = sharded_owners()
+        if any(id(p) in owners and owners[id(p)][0].reduce.replica_shard for p in params):
+            slots = [Slot(p, owners.get(id(p))) for p in params]
+            return clip_slots(slots, max_norm, norm_type, error_if_nonfinite, foreach)
+    by_mesh = by_grad_mesh(params)
     if not by_mesh:
         return torch.tensor(0.0)
     norms = []

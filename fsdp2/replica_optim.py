@@ -107,6 +107,7 @@ class ReplicaShardedOptimizer(torch.optim.Optimizer):
         groups = [dict(g) for g in optimizer.param_groups]
         super().__init__(groups, optimizer.defaults)
         self._cls = type(optimizer)
+        _start_replica_sharding(self._slots)  # checks every group first, then switches them
         self._inner = self._build_inner()
         self._owners = {}
         if any(optimizer.state.values()):  # stepped already, or eager (Adagrad): cut it up
@@ -117,14 +118,11 @@ class ReplicaShardedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        slots = [
-            Slot(p, self._owners.get(id(p)) or sharded_owners().get(id(p))) for p in group["params"]
-        ]
-        self._slots += slots
-        _start_replica_sharding(slots)
-        _check_complete(self._slots)
-        if self._inner is not None:
-            self._inner.add_param_group(_inner_group(group, slots))
+        owners = self._owners or sharded_owners()
+        self._slots += [Slot(p, owners.get(id(p))) for p in group["params"]]
+        if self._inner is not None:  # added after construction
+            _start_replica_sharding(self._slots)
+            self._inner.add_param_group(_inner_group(group, self._slots[-len(group["params"]) :]))
 
     def _build_inner(self) -> torch.optim.Optimizer:
         it = iter(self._slots)
@@ -266,10 +264,11 @@ def _check_elementwise(optimizer: torch.optim.Optimizer, elementwise: bool) -> N
 
 
 def _start_replica_sharding(slots: list[Slot]) -> None:
-    for slot in slots:
-        g = slot.group
-        if g is None or not slot.split or g.reduce.replica_shard:
-            continue
+    """Check every HSDP group the slots touch, then switch them to replica sharding: an
+    error leaves every group as it was."""
+    groups = {id(s.group): s.group for s in slots if s.split}
+    _check_complete(slots)
+    for g in groups.values():
         if g.reduce.exact:
             raise ValueError(
                 f"shard_over_replicas: fully_shard({g.name}) reduces deterministically "
@@ -283,8 +282,10 @@ def _start_replica_sharding(slots: list[Slot]) -> None:
                     f"of type {type(local).__name__} (contiguous: {local.is_contiguous()}); "
                     "pieces need a plain contiguous one"
                 )
-        g.update(reduce={"replica_shard": True})
-        track(g)
+    for g in groups.values():
+        if not g.reduce.replica_shard:
+            g.update(reduce={"replica_shard": True})
+            track(g)
 
 
 def _check_complete(slots: list[Slot]) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp2._core.collectives import all_gather
@@ -55,6 +56,11 @@ class Slot:
         local = self.param._local_tensor
         if not self.split:
             return self.piece is not local
+        if isinstance(local, FakeTensor):  # no data pointers (fsdp2.estimate_memory): storages
+            return (
+                self.piece.untyped_storage()._cdata != local.untyped_storage()._cdata
+                or self.piece.storage_offset() != local.storage_offset() + self.start
+            )
         return (
             self.piece.dtype != local.dtype
             or self.piece.device != local.device

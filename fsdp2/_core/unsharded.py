@@ -31,6 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 __all__ = [
     "REPLICA_MARK",
+    "any_replica_sharded",
     "install_optimizer_check",
     "sharded_of",
     "sharded_owners",
@@ -163,6 +164,11 @@ def _refuse_pieced(optimizer: torch.optim.Optimizer, group: Any, fqn: str, i: in
         "the ReplicaShardedOptimizer holding it steps it. Put every parameter of that "
         "module in the one ReplicaShardedOptimizer (docs/parallelism.md)"
     )
+
+
+def any_replica_sharded() -> bool:
+    """Whether a live group shards its gradients over the replicas ([Note: pieces])."""
+    return any(g.reduce.replica_shard for g in list(_GROUPS))
 
 
 def sharded_owners() -> dict[int, tuple[Any, Any]]:
