@@ -58,7 +58,7 @@ import torch
 
 from fsdp2._core.piece_state import Slot, clip_slots, like, piece_of, whole_state
 from fsdp2._core.pieces import finish_gather, gather_pieces
-from fsdp2._core.unsharded import REPLICA_MARK, sharded_owners, track
+from fsdp2._core.unsharded import REPLICA_MARK, sharded_of, sharded_owners, track
 from fsdp2.optim import ELEMENTWISE_OPTIMIZERS, MATRIX_WISE_OPTIMIZERS, Muon
 
 __all__ = ["ReplicaShardedOptimizer", "shard_over_replicas"]
@@ -119,6 +119,15 @@ class ReplicaShardedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         owners = self._owners or sharded_owners()
+        for i, p in enumerate(group["params"]):
+            if sharded_of(p) is not p:
+                raise ValueError(
+                    f"shard_over_replicas: param_groups[{len(self.param_groups) - 1}]['params']"
+                    f"[{i}] is an unsharded parameter, a temporary of fully_shard: the "
+                    "optimizer was built from parameters() between a forward and its "
+                    "backward (or after unshard()). Build it from the sharded parameters: "
+                    "before the first forward, after a backward, or after model.reshard()"
+                )
         self._slots += [Slot(p, owners.get(id(p))) for p in group["params"]]
         if self._inner is not None:  # added after construction
             _start_replica_sharding(self._slots)
@@ -155,9 +164,9 @@ class ReplicaShardedOptimizer(torch.optim.Optimizer):
         finally:
             for slot in self._slots:
                 slot.piece.grad = None
-        pending = [(fps, gather_pieces(group, fps)) for group, fps in gathered.values()]
-        for fps, work in pending:
-            finish_gather(fps, work)
+        pending = [(group, fps, gather_pieces(group, fps)) for group, fps in gathered.values()]
+        for group, fps, work in pending:
+            finish_gather(group, fps, work)
         self._mirror_state()
         return loss
 
@@ -276,7 +285,8 @@ def _start_replica_sharding(slots: list[Slot]) -> None:
             )
         for fp in g.params:
             local = fp.sharded._local_tensor
-            if type(local) is not torch.Tensor or not local.is_contiguous():
+            fake = isinstance(local, torch._subclasses.FakeTensor)  # fsdp2.estimate_memory's
+            if (type(local) is not torch.Tensor and not fake) or not local.is_contiguous():
                 raise ValueError(
                     f"shard_over_replicas: {fp.fqn} of fully_shard({g.name}) has a local shard "
                     f"of type {type(local).__name__} (contiguous: {local.is_contiguous()}); "

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp2._core.collectives import all_gather
+from fsdp2._core.collectives import all_gather, all_reduce
 from fsdp2._core.pieces import piece_range
 
 __all__ = ["Slot", "clip_slots", "like", "piece_of", "whole_state"]
@@ -203,7 +203,8 @@ def clip_slots(
         local = torch.stack([n.float() for n in norms])
         part = local.max() if inf else local.pow(norm_type).sum()
         for pg in groups:
-            dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=pg)
+            op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+            all_reduce(part, pg, "gradient norm", op=op).wait()
         total = torch.maximum(total, part) if inf else total + part
     if not inf:
         total = total.pow(1.0 / norm_type)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp2._core.collectives import all_gather
+from fsdp2._core.labels import label
 from fsdp2._core.transport import Pending
 
 if TYPE_CHECKING:
@@ -105,9 +106,10 @@ def gather_pieces(group: ParamGroup, params: list[FSDPParam]) -> Pending:
     return all_gather(pack, pg, replicas, lambda: f"replicas: {group.path}")[0]  # type: ignore[return-value]
 
 
-def finish_gather(params: list[FSDPParam], pending: Pending) -> None:
+def finish_gather(group: ParamGroup, params: list[FSDPParam], pending: Pending) -> None:
     """Wait for ``gather_pieces``' all-gather and copy every replica's pieces into place."""
-    rows = pending.wait()  # (replicas, sum of c)
+    with label("all_gather wait", lambda: f"replicas: {group.path}"):
+        rows = pending.wait()  # (replicas, sum of c)
     offset = 0
     for p in params:
         local = p.sharded._local_tensor

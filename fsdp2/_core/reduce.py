@@ -105,6 +105,9 @@ class Reduction:
     def _what(self) -> str:
         return _paths(self.parts)
 
+    def _replicas_what(self) -> str:
+        return "replicas: " + self._what()
+
     def _slices(self, output: torch.Tensor) -> Iterator[tuple[Part, torch.Tensor]]:
         for part, start in zip(self.parts, self.starts, strict=True):
             yield part, output.narrow(0, start, part.numel)
@@ -116,7 +119,10 @@ class Reduction:
         scatter = self.stage is ReduceStage.REDUCE_SCATTER
         kind = "all_reduce wait" if self.stage is ReduceStage.ALL_REDUCE else "reduce_scatter wait"
         # one shard rank: the "reduce-scatter" ran no collective, so no wait to label
-        waiting = nullcontext() if scatter and g.world == 1 else label(kind, self._what)
+        what = self._what
+        if self.stage is ReduceStage.REPLICA_SCATTER:
+            what = self._replicas_what
+        waiting = nullcontext() if scatter and g.world == 1 else label(kind, what)
         with waiting:
             output = self.pending.wait()
         replicate = g.info.replicate_group
@@ -170,7 +176,7 @@ class Reduction:
             g.info.replicate_size,
             output.dtype,
             replicate,
-            lambda: "replicas: " + self._what(),
+            self._replicas_what,
             op=self.plan.ar_op,
             comm=g.reduce.comm,
         )

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp2._core.module import FSDPModule
 from fsdp2._core.seam import managed_params
+from fsdp2._core.unsharded import REPLICA_MARK
 from fsdp2.optim import _sharded_like
 
 __all__ = ["wire"]
@@ -69,10 +70,19 @@ def wire(
     ``zero_grad`` and commits in ``step``). See [Note: torchft wiring].
 
     Raises:
-        ValueError: a parameter of ``model`` is not managed by ``fully_shard`` (its gradient
+        ValueError: ``optimizer`` is a ``fsdp2.replica_optim.ReplicaShardedOptimizer``;
+            a parameter of ``model`` is not managed by ``fully_shard`` (its gradient
             would not be averaged across the replica groups), or ``optimizer`` holds a
             parameter that is not ``model``'s.
     """
+    if getattr(optimizer, REPLICA_MARK, False):
+        raise ValueError(
+            "fsdp2.integrations.torchft.wire: the optimizer is a ReplicaShardedOptimizer "
+            "(fsdp2.replica_optim), whose state is cut into pieces over HSDP's replicas; "
+            "torchft heals a replica group from the same rank of another group and averages "
+            "whole shards across groups, so wire the plain optimizer (torchft owns the "
+            "replica dimension; see docs/parallelism.md)"
+        )
     managed = managed_params(model, recurse=True)
     ids = {id(m.sharded) for m in managed}
     owners = {(id(mod), name) for m in managed for mod, name in m.owners}

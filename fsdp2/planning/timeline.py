@@ -47,6 +47,9 @@ __all__ = ["Timeline", "timeline"]
 
 _STEP = PREFIX + "step"
 _COMM_OPS = ("all_gather", "reduce_scatter", "all_reduce")
+# fsdp2.replica_optim's collectives over HSDP's replicas (labelled "replicas: <paths>")
+_REPLICA = "replicas: "
+_OPS = (*_COMM_OPS, "replica_reduce_scatter", "replica_all_gather")
 
 
 @dataclass
@@ -55,7 +58,8 @@ class Timeline:
 
     Times are seconds. ``lanes`` maps each module (``layers.3``, ``the root (Llama)``) to
     its collectives: ``(op, start, end, issue, wait)`` with ``op`` one of ``all_gather``,
-    ``reduce_scatter``, ``all_reduce``, ``start`` / ``end`` from the step's start (issued,
+    ``reduce_scatter``, ``all_reduce`` (and ``replica_reduce_scatter``, ``replica_all_gather``
+    under ``fsdp2.replica_optim``), ``start`` / ``end`` from the step's start (issued,
     consumed), and ``issue`` / ``wait`` the seconds the step's thread spent issuing it and
     waiting for it: its exposed part (see [Note: timeline]). ``comm_bytes`` maps each
     collective kind to the bytes this rank sent into fsdp2's collectives of that kind (an
@@ -138,6 +142,8 @@ class _Sent(Observer):
 
     def collective(self, c: Collective) -> None:
         op = c.kind.replace("-", "_")
+        if c.what.startswith(_REPLICA):
+            op = f"replica_{op}"
         numel = c.input_numel if c.kind == "all-gather" else c.numel
         self.into[op] = self.into.get(op, 0) + numel * c.dtype.itemsize
 
@@ -191,8 +197,11 @@ def _analyze(result: Timeline, events: list[_Event]) -> None:
         words = name[len(PREFIX) :].split(" ", 2)
         if len(words) == 3 and words[0] in _COMM_OPS and words[1] in ("issue", "wait"):
             comm.append((a, b))
-            what = words[2].removeprefix("bucket ").split(", ")
-            (issues if words[1] == "issue" else waits).append((words[0], what, a, b))
+            op, text = words[0], words[2]
+            if text.startswith(_REPLICA):
+                op, text = f"replica_{op}", text.removeprefix(_REPLICA)
+            what = text.removeprefix("bucket ").split(", ")
+            (issues if words[1] == "issue" else waits).append((op, what, a, b))
         else:
             other.append((a, b))
     s = 1e-6
@@ -200,7 +209,7 @@ def _analyze(result: Timeline, events: list[_Event]) -> None:
     result.exposed_comm_s = _measure(comm) * s
     result.framework_s = (_measure(comm + other) - _measure(comm)) * s
     result.compute_s = result.step_s - result.exposed_comm_s - result.framework_s
-    result.collectives = {op: sum(1 for i in issues if i[0] == op) for op in _COMM_OPS}
+    result.collectives = {op: sum(1 for i in issues if i[0] == op) for op in _OPS}
     result.collectives = {op: n for op, n in result.collectives.items() if n}
     for op, paths, a, b in waits:
         for p in paths:
@@ -213,7 +222,13 @@ def _analyze(result: Timeline, events: list[_Event]) -> None:
     result.main += [("framework", (a - t0) * s, (b - t0) * s) for a, b in other]
 
 
-_COLORS = {"all_gather": "#4C72B0", "reduce_scatter": "#55A868", "all_reduce": "#8172B2"}
+_COLORS = {
+    "all_gather": "#4C72B0",
+    "reduce_scatter": "#55A868",
+    "all_reduce": "#8172B2",
+    "replica_reduce_scatter": "#8C613C",
+    "replica_all_gather": "#64B5CD",
+}
 
 
 def _draw(result: Timeline, png: str) -> None:

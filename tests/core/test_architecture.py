@@ -26,12 +26,13 @@ PACKAGE = pathlib.Path(fsdp2.__file__).parent
 # fsdp2/_core from top to bottom: a module may import only modules of its own layer or
 # below (within a layer: no cycle, checked by the cycle test).
 LAYERS = [
-    ["replicate"],
+    ["replicate", "piece_state"],
     ["sharding", "module", "seam", "state_dict"],
     ["state", "tree_checks", "placement"],
     ["step", "relayout", "higher_order"],
     ["slot"],
     ["reduce"],
+    ["pieces"],
     ["group"],
     ["layout", "small_shard"],
     ["param", "extension"],

@@ -35,11 +35,13 @@ from _harness import run_on_ranks
 from helpers import hsdp_mesh, world_mesh
 from models import build, full_params, local_loss, make_batch, rank_slice, shard_model
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import Shard
 
 import fsdp2
 from fsdp2 import fully_shard, replicate
 from fsdp2._core.observe import HUB, Collective, Observer
-from fsdp2.api import MixedPrecisionPolicy
+from fsdp2.api import CPUOffloadPolicy, MixedPrecisionPolicy
+from fsdp2.planning.timeline import timeline
 from fsdp2.reduction import set_deterministic
 from fsdp2.replica_optim import ReplicaShardedOptimizer, shard_over_replicas
 
@@ -277,8 +279,10 @@ def _compose() -> None:
                 x, y = make_batch(MODEL, s)
                 xs, ys = rank_slice(x, rank, world), rank_slice(y, rank, world)
                 micro = 2 if s % 2 else 1
-                for m in range(micro):  # no-sync accumulation, then a repeated backward
-                    model.set_requires_gradient_sync(m == micro - 1 or s == 3)
+                for m in range(micro):  # no-sync, no all-reduce, then a repeated backward
+                    last = m == micro - 1
+                    model.set_requires_gradient_sync(last or s != 1)
+                    model.set_requires_all_reduce(last or s != 3)
                     loss = local_loss(
                         model, MODEL, rank_slice(xs, m, micro), rank_slice(ys, m, micro)
                     )
@@ -332,6 +336,57 @@ def _mixed_meshes() -> None:
 
 def test_replicate_and_a_1d_mesh_alongside() -> None:
     run_on_ranks(4, _mixed_meshes)
+
+
+def _offload_and_own_meshes() -> None:
+    """CPU offload of the shards (the step on the host), and per-parameter meshes: the MLP
+    weights on the HSDP mesh, the rest on a 1D mesh of the same fully_shard calls."""
+    flat, hsdp = world_mesh(), hsdp_mesh((2, 2))
+
+    for layout in ("offload", "own meshes"):
+        runs = []
+        for pieces in (False, True):
+            model = build(MODEL)
+            if layout == "offload":
+                shard_model(
+                    model, fully_shard, hsdp, offload_policy=CPUOffloadPolicy(pin_memory=False)
+                )
+            else:
+                mlp = {id(b.fc1.weight) for b in model.layers} | {
+                    id(b.fc2.weight) for b in model.layers
+                }
+
+                def own(p: torch.nn.Parameter, mlp: set[int] = mlp) -> Any:
+                    return fsdp2.ShardPlacementResult(Shard(0), hsdp) if id(p) in mlp else None
+
+                shard_model(model, fully_shard, flat, shard_placement_fn=own)
+            optim = _optimizer("adamw", model.parameters())
+            if pieces:
+                optim = shard_over_replicas(optim)
+            runs.append(([_step(model, optim, s) for s in range(STEPS)], full_params(model)))
+        _same(runs[1], runs[0], layout)
+
+
+def test_offload_and_per_parameter_meshes() -> None:
+    run_on_ranks(4, _offload_and_own_meshes)
+
+
+def _timeline() -> dict[str, int]:
+    model = _model("fsdp2", (2, 2))
+    optim = shard_over_replicas(_optimizer("adamw", model.parameters()))
+    _step(model, optim, 0)
+    with timeline(None, png=False) as tl:
+        _step(model, optim, 1)
+    for path, lane in tl.lanes.items():
+        ops = [op for op, *_ in lane]
+        assert "replica_reduce_scatter" in ops and "replica_all_gather" in ops, (path, ops)
+        assert "all_reduce" not in ops, (path, ops)
+    return tl.collectives
+
+
+def test_timeline_shows_the_replica_collectives() -> None:
+    counts = run_on_ranks(4, _timeline)[0]
+    assert counts["replica_reduce_scatter"] == counts["replica_all_gather"] == 3, counts
 
 
 # ---- checkpoints -----------------------------------------------------------------------------
@@ -421,7 +476,44 @@ def _errors() -> None:
     plain = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(RuntimeError, match="sharded over the replicas"):
         plain.step()
+    from fsdp2.integrations.torchft import wire
+
+    with pytest.raises(ValueError, match="ReplicaShardedOptimizer"):
+        wire(None, model, ours)
     _step(model, ours, 0)  # still trains
+
+
+def _call_orders() -> None:
+    runs = []
+    for pieces in (False, True):
+        model = _model("fsdp2", (2, 2))
+
+        def make(model: torch.nn.Module = model) -> torch.optim.Optimizer:
+            return _optimizer("adamw", model.parameters())
+
+        optim = shard_over_replicas(make()) if pieces else make()
+        model.to(torch.float64)  # a cast after building the optimizer: the pieces follow
+        losses = [_step(model, optim, 0)]
+        x, _ = make_batch(MODEL, 9)
+        with torch.no_grad():  # evaluation mid-run
+            model.eval()
+            model(x)
+            model.train()
+        losses.append(_step(model, optim, 1))
+        losses.append(_step(model, optim, 2))
+        if pieces:  # an optimizer built between a forward and its backward is refused
+            x, y = make_batch(MODEL, 3)
+            loss = local_loss(model, MODEL, x.to(torch.float64) if x.is_floating_point() else x, y)
+            with pytest.raises(ValueError, match="unsharded parameter"):
+                shard_over_replicas(make())
+            loss.backward()
+            optim.zero_grad()
+        runs.append((losses, full_params(model)))
+    _same(runs[1], runs[0], "call orders")
+
+
+def test_call_orders() -> None:
+    run_on_ranks(4, _call_orders)
 
 
 def test_errors_before_any_collective() -> None:
