@@ -17,7 +17,10 @@ script does, to both when it has a meaning for the replica:
 * ``freeze``: ``requires_grad_(value)`` on the root, a block, a linear or a root linear;
 * ``build_optimizer``: SGD (plain, momentum, weight decay) from ``model.parameters()`` or
   from each module's ``parameters()`` (a plain submodule of the root gives the registered
-  tensors), at any point, right after a forward included;
+  tensors), at any point, right after a forward included; or wrapped with
+  ``fsdp2.replica_optim.shard_over_replicas`` (the replicated groups then keep gradients and
+  momentum in pieces over the ranks: their gradients are not compared, their parameters and
+  the clipping norm are; a later plain optimizer over them is refused);
 * ``optimizer_step``, ``zero_grad`` (``set_to_none`` either way), ``clip_grad_norm_``
   (``fsdp2.clip_grad_norm_`` against torch's on the replica; the norms compared);
 * ``state_dict_round_trip``: ``load_state_dict(state_dict())``, in memory or through DCP;
@@ -64,7 +67,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
 import fsdp2
-from fsdp2._core.unsharded import sharded_of
+from fsdp2._core.unsharded import sharded_of, sharded_owners
+from fsdp2.replica_optim import shard_over_replicas
 
 IN, DIM, HIDDEN, OUT = 5, 6, 7, 3
 ROWS_PER_RANK = 2
@@ -83,6 +87,10 @@ FREEZE_TARGETS = ["", "inp", "head", "layers.0", "layers.1", "layers.1.lin1", "l
 # the errors a rule may raise by design: (type, a piece of the message)
 EXPECTED = {
     "optimizer_step": (RuntimeError, "would update the unsharded parameter"),
+    # a plain optimizer over parameters whose gradients fsdp2.replica_optim keeps in pieces
+    "optimizer_step_pieced": (RuntimeError, "sharded over the replicas"),
+    # shard_over_replicas over some of a module's parameters, or over unsharded temporaries
+    "build_optimizer": (ValueError, "shard_over_replicas: "),
 }
 
 
@@ -347,9 +355,10 @@ class CallOrders(RuleBasedStateMachine):
     @rule(
         kind=st.sampled_from(["sgd", "momentum", "wd"]),
         source=st.sampled_from(["model", "modules"]),
+        pieces=st.booleans(),
     )
-    def build_optimizer(self, kind: str, source: str) -> None:
-        self._note(f"build_optimizer({kind!r}, from={source!r})")
+    def build_optimizer(self, kind: str, source: str, pieces: bool = False) -> None:
+        self._note(f"build_optimizer({kind!r}, from={source!r}, pieces={pieces})")
 
         def params(m: nn.Module) -> list[nn.Parameter]:
             if source == "model":
@@ -362,6 +371,17 @@ class CallOrders(RuleBasedStateMachine):
         kw = {"sgd": {}, "momentum": {"momentum": 0.9}, "wd": {"weight_decay": 0.1}}[kind]
         self.opt = torch.optim.SGD(params(self.model), lr=LR, **kw)
         self.ref_opt = torch.optim.SGD(params(self.ref), lr=LR, **kw)
+        if pieces:  # replicated groups keep gradients and momentum in pieces over the ranks
+            try:
+                self.opt = shard_over_replicas(self.opt)
+            except ValueError as e:
+                kind_, text = EXPECTED["build_optimizer"]
+                if not isinstance(e, kind_) or text not in str(e):
+                    raise self._unexpected() from None
+                self.stats["wrap refused"] = self.stats.get("wrap refused", 0) + 1
+                self.opt = self.ref_opt = None
+            except Exception:
+                raise self._unexpected() from None
 
     def _opt_sharded(self) -> bool:
         assert self.opt is not None
@@ -379,8 +399,13 @@ class CallOrders(RuleBasedStateMachine):
             self.opt.step()
         except RuntimeError as e:
             kind, text = EXPECTED["optimizer_step"]
-            if not isinstance(e, kind) or text not in str(e):
+            pieced = EXPECTED["optimizer_step_pieced"][1] in str(e)
+            if not isinstance(e, kind) or (text not in str(e) and not pieced):
                 raise self._unexpected() from None
+            if pieced:  # a plain optimizer after a ReplicaShardedOptimizer: refused
+                self.stats["pieced refused"] = self.stats.get("pieced refused", 0) + 1
+                self.opt = self.ref_opt = None
+                return
             # documented: the optimizer holds unsharded parameters; every rank raised
             self._check([] if plain else [f"the guard raised for sharded parameters: {e}"])
             self.stats["guard raised"] = self.stats.get("guard raised", 0) + 1
@@ -497,9 +522,10 @@ class CallOrders(RuleBasedStateMachine):
         if list(params) != list(refs):
             errors.append(f"parameter names {list(params)} != the replica's {list(refs)}")
         self._check(errors)
+        pieced = _pieced()
         for name, p in params.items():
             _close(p.full_tensor(), refs[name], f"parameter {name}", errors)
-            if self.unsynced:
+            if self.unsynced or id(p) in pieced:  # its gradient is in pieces over the ranks
                 continue
             g, want = p.grad, refs[name].grad
             if (g is None) != (want is None):
@@ -514,6 +540,11 @@ class CallOrders(RuleBasedStateMachine):
         self.pending = []
         if hasattr(self, "model"):
             del self.model
+
+
+def _pieced() -> set[int]:
+    """The sharded parameters whose gradients fsdp2.replica_optim keeps in pieces."""
+    return {i for i, (g, _) in sharded_owners().items() if g.reduce.replica_shard}
 
 
 def _sharded_named(model: nn.Module, errors: list[str]) -> dict[str, DTensor]:
