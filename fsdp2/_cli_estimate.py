@@ -309,7 +309,7 @@ def _simulate(
             raise _InputError("--optim-dtype applies to adamw, adam and sgd, not muon")
         optimizer: Any = _muon_and_adamw(model)
     elif state_dtype not in (None, dtype):
-        optimizer = _states_in(args.optimizer, state_dtype)
+        optimizer = _states_in(args.optimizer, state_dtype, args.shard_over_replicas)
     else:
         optimizer = args.optimizer
     try:
@@ -326,6 +326,7 @@ def _simulate(
                 step_fn=(lambda m, b: m(*b)) if own else None,  # Llama(tokens, targets) -> loss
                 compare=False,
                 moments=scaled,
+                shard_over_replicas=args.shard_over_replicas,
             )
     except (ValueError, TypeError, RuntimeError) as e:  # one line, not a traceback
         raise _InputError(str(e).splitlines()[0]) from e
@@ -335,12 +336,12 @@ def _simulate(
     return replace(est, settings=f"{est.settings}, {what}")
 
 
-def _states_in(kind: str, dtype: Any) -> Any:
+def _states_in(kind: str, dtype: Any, over_replicas: bool = False) -> Any:
     """An optimizer that keeps ``kind``'s state (AdamW's and Adam's two moments, SGD's
     momentum) in ``dtype`` whatever the parameters' dtype: what the estimate needs of
     ``--optim-dtype`` (fp32 moments of bf16 parameters, as torchao's and Megatron's
     optimizers keep them). Its step only writes the state (the update's bytes are the
-    parameters')."""
+    parameters'). ``over_replicas``: wrapped by ``shard_over_replicas`` (it is elementwise)."""
     import torch
 
     if kind == "sgd":  # plain SGD keeps no state
@@ -363,7 +364,11 @@ def _states_in(kind: str, dtype: Any) -> Any:
                             state[name] = torch.zeros_like(p, dtype=dtype)
                         state[name].add_(p.grad.to(dtype))
 
-    return StatesIn
+    if not over_replicas:
+        return StatesIn
+    from fsdp2.replica_optim import shard_over_replicas
+
+    return lambda params: shard_over_replicas(StatesIn(params), elementwise=True)
 
 
 def _muon_and_adamw(model: Any) -> Any:
@@ -445,6 +450,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             budget = parse_size(args.device_memory, "--device-memory")
         except ValueError as e:
             raise _InputError(str(e)) from e
+    if args.shard_over_replicas and (args.sweep or len(args.mesh) != 2):
+        raise _InputError(
+            "--shard-over-replicas shards HSDP's gradients and optimizer state over its "
+            "replicas: it needs --mesh RxS (not --sweep, whose world sizes are FSDP's)"
+        )
+    if args.shard_over_replicas and args.optimizer == "muon":  # (Muon updates whole matrices)
+        raise _InputError("--shard-over-replicas steps pieces of shards: adamw, adam or sgd")
     config = _config(args.config)
     meshes = [(n,) for n in args.sweep] if args.sweep else [args.mesh]
     results = [_estimate(args, config, shape) for shape in meshes]

@@ -101,6 +101,12 @@ def _parser() -> argparse.ArgumentParser:
         help="fully_shard's reshard_after_forward for every block (default: fsdp2's)",
     )
     est.add_argument("--offload", action="store_true", help="CPUOffloadPolicy()")
+    est.add_argument(
+        "--shard-over-replicas",
+        action="store_true",
+        help="HSDP (--mesh RxS): gradients and optimizer state sharded over the R replicas "
+        "too (fsdp2.replica_optim.shard_over_replicas)",
+    )
     est.add_argument("--ac", choices=("none", "full"), default="none", help="checkpointing")
     est.add_argument(
         "--optimizer",

@@ -164,9 +164,17 @@ class ReplicaShardedOptimizer(torch.optim.Optimizer):
         finally:
             for slot in self._slots:
                 slot.piece.grad = None
-        pending = [(group, fps, gather_pieces(group, fps)) for group, fps in gathered.values()]
-        for group, fps, work in pending:
-            finish_gather(group, fps, work)
+        # at most two groups' all-gathers in flight: one's output is copied out while the
+        # next one's goes, so the step holds about two groups' shards, not the whole model's
+        previous = None
+        for group, fps in gathered.values():
+            work = gather_pieces(group, fps)
+            if previous is not None:
+                finish_gather(*previous)
+            previous = (group, fps, work)
+        if previous is not None:
+            finish_gather(*previous)
+        del previous
         self._mirror_state()
         return loss
 

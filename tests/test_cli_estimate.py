@@ -6,6 +6,8 @@ muon``, ``--plot``, and the Hugging Face configs under examples/configs.
 * ``--optimizer muon`` counts one fp32 momentum per hidden matrix (``fsdp2.optim.Muon``) and
   AdamW's two moments and step for the rest, as ``muon_param_groups`` splits them.
 * ``--plot`` writes a PNG and leaves stdout as it is.
+* ``--shard-over-replicas`` divides HSDP's gradients and optimizer state by the replicas,
+  scaled as simulated whole.
 * The hand-written configs build the published models (parameter counts), and docs/cli.md's
   figures for ``accelerate estimate-memory`` are what accelerate's own functions give for them.
 """
@@ -122,3 +124,40 @@ def test_example_configs_and_accelerate_figures() -> None:
         fp16 = max(estimate_training_usage(total, "float16").values())
         row = f"| {convert_bytes(total)} | {convert_bytes(fp32)} | {convert_bytes(fp16)} |"
         assert row in page, (name, row)
+
+
+def test_shard_over_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--shard-over-replicas`` on an HSDP mesh: rank 0's gradients and optimizer state are
+    pieces (``ceil(n / R)`` of each local shard of ``n``), its parameters whole; scaled from 4
+    and 5 blocks as the whole model simulated (``--exact``), to the byte. ``--optim-dtype``'s
+    optimizer is wrapped too. Refused without an ``RxS`` mesh, and with Muon."""
+    from fsdp2 import _cli_estimate
+    from fsdp2.models import Llama, LlamaConfig
+
+    # 6 blocks (scaled), and shapes whose shards and pieces round up
+    tiny = {"vocab_size": 130, "dim": 38, "n_layers": 6, "n_heads": 1}
+    monkeypatch.setitem(_cli_estimate.OWN_MODELS, "llama-tiny", tiny)
+    replicas, shards = 4, 2
+    with torch.device("meta"):
+        params = list(Llama(LlamaConfig(**tiny)).parameters())
+    local = [-(-p.shape[0] // shards) * p[0].numel() for p in params]
+    pieces = [-(-n // replicas) for n in local]
+    assert sum(pieces) > sum(local) / replicas
+    flag = ["--shard-over-replicas"]
+    argv = ["estimate", "llama-tiny", "--mesh", "4x2", *SMALL, *flag, "--optim-dtype", "bf16"]
+    got = []
+    for extra in ([], ["--exact"]):
+        code, out, err = fsdp2(*argv, *extra, "--json")
+        assert code == 0, err[-3000:]
+        got.append(json.loads(out))
+    scaled, exact = got
+    assert "shard_over_replicas" in scaled["settings"] and "scaled from 4" in scaled["settings"]
+    assert scaled["peak_bytes"] == exact["peak_bytes"] and scaled["held"] == exact["held"]
+    assert scaled["held"] == {
+        "parameters": 4 * sum(local),  # fp32
+        "gradients": 4 * sum(pieces),  # fp32
+        "optimizer state": 4 * sum(pieces),  # two bf16 moments
+    }
+    for bad in (["--mesh", "8"], ["--sweep", "4,8"], ["--mesh", "2x2", "--optimizer", "muon"]):
+        code, _, err = fsdp2("estimate", "llama-tiny", *SMALL, *flag, *bad)
+        assert code == 1 and "--shard-over-replicas" in err, err

@@ -1,25 +1,61 @@
 """What a rank holds, counted for :func:`fsdp2.estimate_memory`: its shards' bytes, and the
-parameters registered by more than one module (tied embeddings), which ``to_empty`` unties."""
+parameters registered by more than one module (tied embeddings), which ``to_empty`` unties;
+and the optimizer of ``estimate_memory(..., shard_over_replicas=True)``, whose gradients are
+held in pieces over HSDP's replicas (``FSDPParam.piece_grad``, [Note: pieces] in
+fsdp2/_core/pieces.py) rather than as ``.grad``."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
 
+from fsdp2._core.unsharded import sharded_owners
+
+
+def over_replicas(
+    build: Callable[[list[nn.Parameter]], torch.optim.Optimizer], mesh_shape: Any
+) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+    """``build``'s optimizer wrapped by ``fsdp2.replica_optim.shard_over_replicas`` (one that
+    is wrapped already, e.g. with ``elementwise=True``, is kept as it is), on an HSDP mesh."""
+    from fsdp2.replica_optim import ReplicaShardedOptimizer, shard_over_replicas
+
+    if isinstance(mesh_shape, int) or len(mesh_shape) != 2:
+        raise ValueError(
+            "estimate_memory: shard_over_replicas shards HSDP's gradients and optimizer state "
+            f"over its replicas: it needs an HSDP mesh_shape (R, S), got {mesh_shape!r}"
+        )
+
+    def wrapped(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        opt = build(params)
+        return opt if isinstance(opt, ReplicaShardedOptimizer) else shard_over_replicas(opt)
+
+    return wrapped
+
+
+def pieced(model: nn.Module) -> list[Any]:
+    """The ``FSDPParam``s of ``model`` whose gradients are held in pieces over the replicas."""
+    owners = sharded_owners()
+    found = (owners.get(id(p)) for p in model.parameters())
+    return [o[1] for o in found if o is not None and o[0].reduce.replica_shard]
+
 
 def held(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
-    """The bytes of this rank's shards of the parameters, their gradients and the optimizer
-    state (``MemoryEstimate.held``); tied parameters once."""
+    """The bytes of this rank's shards of the parameters, their gradients (or pieces of them)
+    and the optimizer state (``MemoryEstimate.held``); tied parameters once."""
 
     def local(t: torch.Tensor) -> int:
         t = t.to_local() if hasattr(t, "to_local") else t
         return t.numel() * t.element_size()
 
     params = list({id(p): p for p in model.parameters()}.values())
+    pieces = [fp.piece_grad for fp in pieced(model) if fp.piece_grad is not None]
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return {
         "parameters": sum(local(p) for p in params),
-        "gradients": sum(local(p.grad) for p in params if p.grad is not None),
+        "gradients": sum(local(g) for g in [p.grad for p in params if p.grad is not None] + pieces),
         # a 0-dim step counter is state too, but a few bytes per parameter tensor
         "optimizer state": sum(local(v) for v in state),
     }

@@ -278,6 +278,7 @@ def _simulate(
         params = [p for p in model.parameters() if p.requires_grad]
         tracker.params = params
         opt = optimizer(params)
+        tracker.pieced = _held.pieced(model)  # shard_over_replicas: gradients in pieces
         steps = 2  # the first builds the optimizer's state and learns the prefetch order
         for i in range(steps):
             if i == steps - 1:
@@ -335,6 +336,7 @@ def estimate_memory(
     microbatches: int = 1,
     in_flight: int | None = None,
     moments: bool = False,
+    shard_over_replicas: bool = False,
 ) -> MemoryEstimate:
     """Simulate one training step on rank 0 and return its peak memory, split into parts.
 
@@ -386,13 +388,18 @@ def estimate_memory(
         moments: also record, for every moment of the step, the parts at the most memory
             live then (``MemoryEstimate.moments``; a little slower). ``fsdp2 estimate``
             scales small models' moments to a large one's blocks.
+        shard_over_replicas: wrap the optimizer (elementwise; unless already wrapped) with
+            ``fsdp2.replica_optim.shard_over_replicas``: each HSDP group's gradients and
+            optimizer state in pieces of ``ceil(n / R)`` of every ``n``-element local shard
+            over the ``R`` replicas. Needs ``mesh_shape`` ``(R, S)``.
 
     Returns:
         A :class:`MemoryEstimate`: ``print`` it for a table.
 
     Raises:
-        ValueError: a bad ``mesh_shape``, an unknown optimizer, or a model that is already
-            sharded (pass a ``build(mesh)`` function instead).
+        ValueError: a bad ``mesh_shape`` (a 1D one with ``shard_over_replicas``), an unknown
+            optimizer, or an already sharded model (pass a ``build(mesh)`` function instead).
+        TypeError: ``shard_over_replicas`` with an optimizer that is not elementwise.
         RuntimeError: a process group other than a fake one of the same size is already
             initialized.
     """
@@ -437,6 +444,8 @@ def estimate_memory(
             "may save different activations)"
         )
     opt = _optimizer(optimizer)
+    if shard_over_replicas:  # (a 1D mesh_shape: ValueError)
+        opt = _held.over_replicas(opt, mesh_shape)
     step = step_fn or _default_step
     mp = mp_policy or MixedPrecisionPolicy()
     offload = offload_policy or OffloadPolicy()
@@ -481,6 +490,8 @@ def estimate_memory(
             for c in choices:
                 name = f"reshard_after_forward={c}" + ("" if offloaded else ", CPU offload")
                 runs.append((builder(c, other), None, name))
+    if shard_over_replicas:
+        runs = [(b, r, f"{s}, shard_over_replicas") for b, r, s in runs]
     with _fake_world(math.prod(shape)):
         mesh = _mesh(dev, shape)
         results = [

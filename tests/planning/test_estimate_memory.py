@@ -9,7 +9,8 @@ group, its peak against the measured one, and what a planning user relies on.
   The larger table is ``benchmarks/estimate.py`` (docs/benchmarks.md).
 * Planning: a world size larger than the machine's processes, a model too big for this
   machine (nothing is allocated), the parts add up to the peak, the alternatives
-  (``reshard_after_forward``), optimizers' state sizes, a ``build(mesh)`` function, the
+  (``reshard_after_forward``), optimizers' state sizes, ``shard_over_replicas`` (gradients
+  and optimizer state in pieces over HSDP's replicas), a ``build(mesh)`` function, the
   printed table, and the process group and engine watchers put back afterwards.
 * Errors: an already sharded model, a bad mesh shape, an unknown optimizer, an output
   that is no loss, a real process group already initialized.
@@ -268,6 +269,56 @@ def test_custom_step_and_shard_selection() -> None:
         compare=False,
     )  # fmt: skip
     assert est.peak_bytes > 0
+
+
+def _odd_llama() -> Llama:
+    """Shapes that do not divide: rank 0's shards and their pieces are rounded up."""
+    cfg = LlamaConfig(vocab_size=129, dim=38, n_layers=1, n_heads=1, max_seq_len=16)
+    with torch.device("meta"):
+        return Llama(cfg)
+
+
+def _odd_estimate(shape: tuple[int, int], flag: bool) -> fsdp2.MemoryEstimate:
+    return fsdp2.estimate_memory(
+        _odd_llama(), _tokens(2, 16), mesh_shape=shape, device="cpu", compare=False,
+        shard_over_replicas=flag,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (4, 2)])
+def test_shard_over_replicas_divides_gradients_and_optimizer_state(
+    shape: tuple[int, int],
+) -> None:
+    replicas, shards = shape
+    plain, est = (_odd_estimate(shape, flag) for flag in (False, True))
+    params = list(_odd_llama().parameters())
+    # rank 0's local shard of each parameter (ceil(rows / S) rows), and its piece of it
+    local = [-(-p.shape[0] // shards) * p[0].numel() for p in params]
+    pieces = [-(-n // replicas) for n in local]
+    assert sum(pieces) > sum(local) / replicas  # some pieces are rounded up
+    steps = 4 * len(params)  # AdamW's fp32 step counter of each parameter (or piece)
+    assert plain.held == {
+        "parameters": 4 * sum(local),
+        "gradients": 4 * sum(local),
+        "optimizer state": 8 * sum(local) + steps,
+    }
+    assert est.held == {
+        "parameters": 4 * sum(local),
+        "gradients": 4 * sum(pieces),
+        "optimizer state": 8 * sum(pieces) + steps,
+    }
+    assert est.parts["parameters (sharded)"] == plain.parts["parameters (sharded)"]
+    assert est.peak_bytes < plain.peak_bytes and sum(est.parts.values()) == est.peak_bytes
+    assert est.settings == "reshard_after_forward=True, shard_over_replicas"
+
+
+def test_shard_over_replicas_needs_an_hsdp_mesh() -> None:
+    for mesh_shape in (4, (4,)):
+        with pytest.raises(ValueError, match=r"needs an HSDP mesh_shape \(R, S\)"):
+            fsdp2.estimate_memory(
+                _llama(), _tokens(), mesh_shape=mesh_shape, device="cpu", shard_over_replicas=True
+            )
+    assert not dist.is_initialized()
 
 
 # ---- errors -----------------------------------------------------------------------------
