@@ -15,7 +15,7 @@
   module and a plain parameter alongside, ``model.zero_grad()``;
 * checkpoints move between the two layouts: ``state_dict``/``load_state_dict`` and DCP
   through ``get_state_dict``/``set_state_dict``, saved at ``(2, 2)`` and loaded at
-  ``(4, 1)`` and back;
+  ``(4, 1)`` and back; FSDP1's FULL optimizer state dict is the plain optimizer's;
 * bad input raises before any collective: matrix-wise and non-elementwise optimizers, an
   HSDP module with parameters outside the optimizer, deterministic reduction, a plain
   optimizer stepping a parameter whose gradient is held in pieces.
@@ -446,6 +446,16 @@ def _checkpoints(root: str) -> None:
     for p in model.parameters():
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(back.state[p][key], optim.state[p][key]), key
+    # FSDP1's FULL optimizer state dict: the plain optimizer's, value for value
+    from fsdp2.fsdp1 import StateDictType, optim_state_dict
+
+    full = StateDictType.FULL_STATE_DICT
+    ours = optim_state_dict(model, optim, state_dict_type=full)
+    theirs = optim_state_dict(model, plain, state_dict_type=full)
+    assert ours["state"].keys() == theirs["state"].keys()
+    for fqn, st in theirs["state"].items():
+        for key, v in st.items():
+            assert torch.equal(ours["state"][fqn][key], v), (fqn, key)
 
 
 def test_checkpoints_move_between_layouts() -> None:
