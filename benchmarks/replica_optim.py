@@ -161,13 +161,12 @@ def worker(rank: int, args: argparse.Namespace) -> None:
     loss_t = torch.tensor([losses[i] for i in impls])
     dist.all_reduce(loss_t)
     if rank == 0:
-        estimates = _estimates(args) if args.estimate else {}
-        _report(args, impls, times, stats, (loss_t / world).tolist(), across, estimates)
+        _report(args, impls, times, stats, (loss_t / world).tolist(), across, args.estimates)
     dist.destroy_process_group()
 
 
 def _estimates(args: argparse.Namespace) -> dict[str, float]:
-    """``fsdp2.estimate_memory``'s peak for each way (simulated, rank 0)."""
+    """``fsdp2.estimate_memory``'s peak for each way (simulated rank 0, in this process)."""
     out = {}
     with torch.device("meta"):
         model = Llama(_config(args))
@@ -184,7 +183,7 @@ def _estimates(args: argparse.Namespace) -> dict[str, float]:
             mp_policy=mp_policy, shard_over_replicas=flag,
             step_fn=lambda m, b: m(*b),
         )  # fmt: skip
-        out[impl] = est.peak
+        out[impl] = est.peak_bytes
     return out
 
 
@@ -230,6 +229,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if "hsdp" not in args.impls.split(","):
         ap.error("--impls must include hsdp (the reference)")
+    # estimate_memory simulates on a fake process group of its own: before any real one
+    args.estimates = _estimates(args) if args.estimate else {}
     mp.spawn(worker, args=(args,), nprocs=args.replicas * args.shards)
 
 

@@ -213,11 +213,20 @@ def set_deterministic(model: nn.Module, enabled: bool = True) -> None:
     ``enabled=False`` returns to torch's reduce-scatter. See docs/reproducibility.md.
 
     Raises:
-        ValueError: ``model`` holds no ``fully_shard`` module.
+        ValueError: ``model`` holds no ``fully_shard`` module, or one whose gradients
+            ``fsdp2.replica_optim`` shards over the replicas.
         RuntimeError: at a reduction, when a rank summed a number of micro-batches that is
             not a power of two on more than one data-parallel rank (before any collective).
     """
     modules = _fsdp_modules(model, "set_deterministic")
+    if enabled:
+        pieced = [m for m in modules if any(g.reduce.replica_shard for g in m._groups())]
+        if pieced:
+            raise ValueError(
+                f"set_deterministic: {type(pieced[0]).__name__} shards its gradients over the "
+                "replicas (fsdp2.replica_optim), which the deterministic reduction does not do "
+                "yet: call set_deterministic on a model without a ReplicaShardedOptimizer"
+            )
     comm = ExchangeReduceScatter() if enabled else None
     for m in modules:
         m._update(False, reduce={"exact": bool(enabled), "comm": comm})

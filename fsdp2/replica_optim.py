@@ -153,28 +153,33 @@ class ReplicaShardedOptimizer(torch.optim.Optimizer):
         assert inner is not None
         self._refresh()
         _sync_hyperparameters(self.param_groups, inner.param_groups)
-        gathered: dict[int, tuple[Any, list[Any]]] = {}
+        # Step the parameters outside HSDP groups, then each HSDP group's pieces in turn,
+        # issuing its all-gather over the replicas at once: it runs while the next group
+        # steps. At most two groups' all-gathers are in flight, so the step holds about two
+        # groups' gathered shards, not the whole model's.
+        others: list[tuple[Slot, Any]] = []
+        groups: dict[int, tuple[Any, list[tuple[Slot, Any]]]] = {}
         for slot in self._slots:
             g = slot.grad()
-            slot.piece.grad = g
-            if g is not None and slot.split:
-                gathered.setdefault(id(slot.group), (slot.group, []))[1].append(slot.fp)
-        try:
-            inner.step()
-        finally:
-            for slot in self._slots:
-                slot.piece.grad = None
-        # at most two groups' all-gathers in flight: one's output is copied out while the
-        # next one's goes, so the step holds about two groups' shards, not the whole model's
+            if slot.split:
+                groups.setdefault(id(slot.group), (slot.group, []))[1].append((slot, g))
+            else:
+                others.append((slot, g))
         previous = None
-        for group, fps in gathered.values():
-            work = gather_pieces(group, fps)
+        try:
+            _step_some(inner, others)
+            for group, slots in groups.values():
+                if not _step_some(inner, slots):
+                    continue
+                fps = [slot.fp for slot, g in slots if g is not None]
+                work = gather_pieces(group, fps)
+                if previous is not None:
+                    finish_gather(*previous)
+                previous = (group, fps, work)
+        finally:
             if previous is not None:
                 finish_gather(*previous)
-            previous = (group, fps, work)
-        if previous is not None:
-            finish_gather(*previous)
-        del previous
+            del previous
         self._mirror_state()
         return loss
 
@@ -324,6 +329,23 @@ def _check_complete(slots: list[Slot]) -> None:
 
 def _inner_group(group: dict[str, Any], slots: list[Slot]) -> dict[str, Any]:
     return {**{k: v for k, v in group.items() if k != "params"}, "params": [s.piece for s in slots]}
+
+
+def _step_some(inner: torch.optim.Optimizer, slots: list[tuple[Slot, Any]]) -> bool:
+    """Step the inner optimizer on ``slots``' pieces alone (the others have no gradient, so
+    an elementwise optimizer leaves them and their state as they are); False if none has
+    a gradient."""
+    stepped = [slot for slot, g in slots if g is not None]
+    if not stepped:
+        return False
+    for slot, g in slots:
+        slot.piece.grad = g
+    try:
+        inner.step()
+    finally:
+        for slot in stepped:
+            slot.piece.grad = None
+    return True
 
 
 def _sync_hyperparameters(outer: list[dict[str, Any]], inner: list[dict[str, Any]]) -> None:

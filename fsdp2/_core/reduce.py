@@ -27,7 +27,7 @@ from fsdp2._core.exact import TreeSum, is_power_of_two
 from fsdp2._core.labels import label
 from fsdp2._core.param import FSDPParam
 from fsdp2._core.pieces import land_pieces, piece_views
-from fsdp2._core.transport import Pending
+from fsdp2._core.transport import Pending, pack_for_reduce_scatter
 
 if TYPE_CHECKING:
     from fsdp2._core.group import ParamGroup
@@ -171,8 +171,12 @@ class Reduction:
                 _agree_on_scalars(part, out)
             views += piece_views(part.params, out)
         self.stage = ReduceStage.REPLICA_SCATTER
+        replicas = g.info.replicate_size
+        with label("reduce_scatter pack", self._replicas_what):
+            packed = pack_for_reduce_scatter(views, replicas, output.dtype, g.reduce.comm)
+        del views
         self.pending = reduce_scatter(
-            views,
+            [packed],
             g.info.replicate_size,
             output.dtype,
             replicate,

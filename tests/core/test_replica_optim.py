@@ -483,6 +483,8 @@ def _errors() -> None:
     with pytest.raises(ValueError, match="reduces deterministically"):
         shard_over_replicas(torch.optim.SGD(det.parameters(), lr=0.1))
     ours = shard_over_replicas(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="shards its gradients over the replicas"):
+        set_deterministic(model)  # the other order
     plain = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(RuntimeError, match="sharded over the replicas"):
         plain.step()
