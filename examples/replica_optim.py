@@ -66,6 +66,8 @@ def main() -> None:
     for name, w in plain[1].items():
         torch.testing.assert_close(ours[1][name], w, rtol=1e-6, atol=1e-7)
     if dist.get_rank() == 0:
+        for step, (loss, norm) in enumerate(ours[0]):
+            print(f"step {step}: loss {loss:.5f}, gradient norm {norm:.5f}")
         print(f"AdamW state on rank 0: {plain[2]} elements on HSDP, {ours[2]} over the replicas")
         print("the optimizer sharded over the replicas trained like plain HSDP")
     dist.destroy_process_group()
