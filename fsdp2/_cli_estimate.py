@@ -450,16 +450,20 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             budget = parse_size(args.device_memory, "--device-memory")
         except ValueError as e:
             raise _InputError(str(e)) from e
-    if args.shard_over_replicas and (args.sweep or len(args.mesh) != 2):
+    shapes = args.sweep or [args.mesh]
+    if args.shard_over_replicas and not any(len(s) == 2 for s in shapes):
         raise _InputError(
             "--shard-over-replicas shards HSDP's gradients and optimizer state over its "
-            "replicas: it needs --mesh RxS (not --sweep, whose world sizes are FSDP's)"
+            "replicas: it needs an HSDP mesh, --mesh RxS (or RxS meshes in --sweep)"
         )
     if args.shard_over_replicas and args.optimizer == "muon":  # (Muon updates whole matrices)
         raise _InputError("--shard-over-replicas steps pieces of shards: adamw, adam or sgd")
     config = _config(args.config)
-    meshes = [(n,) for n in args.sweep] if args.sweep else [args.mesh]
-    results = [_estimate(args, config, shape) for shape in meshes]
+    over = args.shard_over_replicas  # a sweep shows each HSDP mesh without it and with it
+    runs = [(s, p) for s in shapes for p in ((False, True) if over and args.sweep else (over,))]
+    runs = [(s, p) for s, p in runs if len(s) == 2 or not p]
+    results = [_estimate(argparse.Namespace(**{**vars(args), "shard_over_replicas": p}), config, s)
+               for s, p in runs]  # fmt: skip
     if args.plot:
         title = f"{_name(config)}, {args.batch} x {args.seq} tokens per rank, {args.optimizer}"
         plot(args.plot, title, results, budget)
@@ -472,12 +476,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             f"{_name(config)}, batch {args.batch} x {args.seq} tokens per rank, "
             f"{results[0].settings}, {results[0].device}"
         )
-        head = ["ranks", "peak GiB", "params", "grads", "optimizer", "activations", "comm"]
+        head = ["mesh", "peak GiB", "params", "grads", "optimizer", "activations", "comm"]
         print(" | ".join(head) + (" | fits" if budget else ""))
-        for est in results:
+        for est, (shape, pieces) in zip(results, runs, strict=True):
             p = est.parts
             cells = [
-                str(est.world_size),
+                "x".join(map(str, shape)) + (" over replicas" if pieces else ""),
                 _gib(est.peak_bytes),
                 _gib(p["parameters (sharded)"] + p["parameters (unsharded)"]),
                 _gib(p["gradients (sharded)"] + p["gradients (unsharded)"]),

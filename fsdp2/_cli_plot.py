@@ -25,7 +25,11 @@ def plot(path: str, title: str, results: list[Any], budget: int | None) -> None:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise _InputError(f"--plot needs matplotlib (pip install matplotlib): {e}") from e
-    labels = ["x".join(map(str, est.mesh_shape)) for est in results]
+    over = " over replicas"
+    labels = [
+        "x".join(map(str, est.mesh_shape)) + (over if "shard_over_replicas" in est.settings else "")
+        for est in results
+    ]
     fig, ax = plt.subplots(figsize=(3.2 + 1.0 * len(results), 4.2))
     bottom = [0.0] * len(results)
     for bar, parts in _BARS.items():

@@ -46,14 +46,17 @@ def _mesh(text: str) -> tuple[int, ...]:
     return shape
 
 
-def _sizes(text: str) -> list[int]:
+def _sizes(text: str) -> list[tuple[int, ...]]:
+    """``--sweep``: world sizes (FSDP) or ``RxS`` HSDP meshes, comma-separated."""
     try:
-        sizes = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        sizes = []
-    if not sizes or any(n < 1 for n in sizes):
-        raise argparse.ArgumentTypeError(f"--sweep takes world sizes like 8,16,64, got {text!r}")
-    return sizes
+        shapes = [_mesh(part.strip()) for part in text.split(",") if part.strip()]
+    except argparse.ArgumentTypeError:
+        shapes = []
+    if not shapes:
+        raise argparse.ArgumentTypeError(
+            f"--sweep takes world sizes or HSDP meshes like 8,16,64 or 8x8,16x8, got {text!r}"
+        )
+    return shapes
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -71,7 +74,12 @@ def _parser() -> argparse.ArgumentParser:
         + ", ".join(OWN_MODELS),
     )
     est.add_argument("--mesh", type=_mesh, default=(8,), help="N (FSDP) or RxS (HSDP); 8")
-    est.add_argument("--sweep", type=_sizes, help="world sizes, e.g. 8,16,64: one line each")
+    est.add_argument(
+        "--sweep",
+        type=_sizes,
+        help="world sizes or HSDP meshes, e.g. 8,64 or 8x8,16x8: one line each (with "
+        "--shard-over-replicas, each HSDP mesh without and with it)",
+    )
     est.add_argument("--batch", type=int, default=1, help="sequences per rank (1)")
     est.add_argument("--seq", type=int, default=2048, help="tokens per sequence (2048)")
     est.add_argument("--mp", choices=("bf16", "fp32"), default="bf16", help="bf16 compute")
@@ -104,8 +112,8 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument(
         "--shard-over-replicas",
         action="store_true",
-        help="HSDP (--mesh RxS): gradients and optimizer state sharded over the R replicas "
-        "too (fsdp2.replica_optim.shard_over_replicas)",
+        help="HSDP (--mesh RxS, or RxS in --sweep): gradients and optimizer state sharded "
+        "over the R replicas too (fsdp2.replica_optim.shard_over_replicas)",
     )
     est.add_argument("--ac", choices=("none", "full"), default="none", help="checkpointing")
     est.add_argument(

@@ -130,7 +130,8 @@ def test_shard_over_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
     """``--shard-over-replicas`` on an HSDP mesh: rank 0's gradients and optimizer state are
     pieces (``ceil(n / R)`` of each local shard of ``n``), its parameters whole; scaled from 4
     and 5 blocks as the whole model simulated (``--exact``), to the byte. ``--optim-dtype``'s
-    optimizer is wrapped too. Refused without an ``RxS`` mesh, and with Muon."""
+    optimizer is wrapped too. ``--sweep`` with HSDP meshes shows each without and with it.
+    Refused without an ``RxS`` mesh, and with Muon."""
     from fsdp2 import _cli_estimate
     from fsdp2.models import Llama, LlamaConfig
 
@@ -158,6 +159,17 @@ def test_shard_over_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
         "gradients": 4 * sum(pieces),  # fp32
         "optimizer state": 4 * sum(pieces),  # two bf16 moments
     }
+    # a sweep shows each HSDP mesh without and with it (1D meshes once)
+    sweep = ["estimate", "llama-tiny", "--sweep", "8,4x2", *SMALL, *flag, "--optim-dtype", "bf16"]
+    code, out, err = fsdp2(*sweep, "--json")
+    assert code == 0, err[-3000:]
+    rows = json.loads(out)
+    assert [(r["mesh_shape"], "shard_over_replicas" in r["settings"]) for r in rows] == [
+        ([8], False),
+        ([4, 2], False),
+        ([4, 2], True),
+    ]
+    assert rows[2]["held"] == scaled["held"]
     for bad in (["--mesh", "8"], ["--sweep", "4,8"], ["--mesh", "2x2", "--optimizer", "muon"]):
         code, _, err = fsdp2("estimate", "llama-tiny", *SMALL, *flag, *bad)
         assert code == 1 and "--shard-over-replicas" in err, err
