@@ -16,6 +16,7 @@
 * checkpoints move between the two layouts: ``state_dict``/``load_state_dict`` and DCP
   through ``get_state_dict``/``set_state_dict``, saved at ``(2, 2)`` and loaded at
   ``(4, 1)`` and back; FSDP1's FULL optimizer state dict is the plain optimizer's;
+* parameter groups of their own hyperparameters, one added after a step, and a closure;
 * bad input raises before any collective: matrix-wise and non-elementwise optimizers, an
   HSDP module with parameters outside the optimizer, deterministic reduction, a plain
   optimizer stepping a parameter whose gradient is held in pieces.
@@ -534,6 +535,50 @@ def _call_orders() -> None:
 
 def test_call_orders() -> None:
     run_on_ranks(4, _call_orders)
+
+
+def _param_groups_and_closure() -> None:
+    """Parameter groups of their own hyperparameters, one added after a step (its HSDP
+    module switched then), and a closure."""
+    runs = []
+    for pieces in (False, True):
+        model = _model("fsdp2", (2, 2))
+        first = [p for n, p in model.named_parameters() if not n.startswith("layers.1.")]
+        later = [p for n, p in model.named_parameters() if n.startswith("layers.1.")]
+        decay = [p for p in first if p.dim() == 2]
+        optim = torch.optim.AdamW(
+            [{"params": decay}, {"params": [p for p in first if p.dim() < 2], "weight_decay": 0.0}],
+            lr=1e-2,
+            weight_decay=0.1,
+            eps=1e-4,
+        )
+        if pieces:
+            optim = shard_over_replicas(optim)
+        losses = [_step(model, optim, 0)]
+        optim.add_param_group({"params": later, "lr": 5e-3})
+        rank, world = dist.get_rank(), dist.get_world_size()
+        x, y = make_batch(MODEL, 1)
+        xs, ys = rank_slice(x, rank, world), rank_slice(y, rank, world)
+
+        def closure(
+            optim: Any = optim,
+            model: torch.nn.Module = model,
+            xs: torch.Tensor = xs,
+            ys: torch.Tensor = ys,
+        ) -> torch.Tensor:
+            optim.zero_grad()
+            loss = local_loss(model, MODEL, xs, ys)
+            loss.backward()
+            return loss
+
+        losses.append(optim.step(closure).item())
+        losses += [_step(model, optim, s) for s in (2, 3)]
+        runs.append((losses, full_params(model)))
+    _same(runs[1], runs[0], "param groups")
+
+
+def test_param_groups_added_later_and_a_closure() -> None:
+    run_on_ranks(4, _param_groups_and_closure)
 
 
 def test_errors_before_any_collective() -> None:
