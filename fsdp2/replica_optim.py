@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from fsdp2._core.piece_state import Slot, clip_slots, like, piece_of, whole_state
-from fsdp2._core.pieces import finish_gather, gather_pieces
+from fsdp2._core.pieces import clear_piece_grads, finish_gather, gather_pieces
 from fsdp2._core.unsharded import REPLICA_MARK, sharded_of, sharded_owners, track
 from fsdp2.optim import ELEMENTWISE_OPTIMIZERS, MATRIX_WISE_OPTIMIZERS, Muon
 
@@ -185,10 +185,7 @@ class ReplicaShardedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients: the pieces and any ``.grad``."""
-        for slot in self._slots:
-            fp = slot.fp
-            if fp is not None and fp.piece_grad is not None:
-                fp.piece_grad = None if set_to_none else fp.piece_grad.zero_()
+        clear_piece_grads([s.fp for s in self._slots if s.fp is not None], set_to_none)
         super().zero_grad(set_to_none)
 
     def piece_grads(self) -> list[torch.Tensor]:

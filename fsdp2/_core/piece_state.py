@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp2._core.collectives import all_gather, all_reduce
-from fsdp2._core.pieces import piece_range
+from fsdp2._core.collectives import all_reduce
+from fsdp2._core.pieces import gather_rows, piece_range, whole_rows
 
 __all__ = ["Slot", "clip_slots", "like", "piece_of", "whole_state"]
 
@@ -131,25 +131,11 @@ def _gather_state(entries: list[tuple[Slot, str, torch.Tensor]]) -> list[torch.T
     """All-gather state pieces (of one HSDP group) over its replicas: each one's whole
     flattened local shard, in ONE all-gather."""
     group = entries[0][0].group
-    pg, replicas = group.info.replicate_group, group.info.replicate_size
-    slots = []
-    for slot, _, piece in entries:
-        c = -(-slot.fp.local_numel // replicas)
-        slots.append(
-            piece if slot.length == c else torch.cat([piece, piece.new_zeros(c - slot.length)])
-        )
-    flat = torch.cat(slots)
-    pending = all_gather(
-        [flat.to(group.device)], pg, replicas, lambda: f"replicas: optimizer state of {group.path}"
-    )[0]
-    rows = pending.wait().to(flat.device)  # type: ignore[union-attr]
-    result, offset = [], 0
-    for slot, _, _ in entries:
-        n = slot.fp.local_numel
-        c = -(-n // replicas)
-        result.append(rows.narrow(1, offset, c).reshape(-1)[:n].clone())
-        offset += c
-    return result
+    numels = [slot.fp.local_numel for slot, _, _ in entries]
+    pieces = [piece for _, _, piece in entries]
+    rows = gather_rows(group, pieces, numels, f"optimizer state of {group.path}").wait()
+    rows = rows.to(pieces[0].device)
+    return [whole.clone() for whole in whole_rows(rows, numels)]
 
 
 def _as_param_layout(p: DTensor, local: torch.Tensor) -> DTensor:
@@ -161,8 +147,10 @@ def _as_param_layout(p: DTensor, local: torch.Tensor) -> DTensor:
 def piece_of(slot: Slot, key: str, value: Any) -> Any:
     """The piece (or local shard) of a loaded state value of the parameter's shape."""
     p = slot.param
-    if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape != p.shape:
+    if not isinstance(value, torch.Tensor):
         return value
+    if value.dim() == 0 or value.shape != p.shape:  # ``step``: a copy, never shared with the
+        return value.clone()  # source (another live optimizer's state_dict() holds its own)
     if isinstance(value, DTensor):
         assert isinstance(p, DTensor)
         if value.placements != p.placements or value.device_mesh != p.device_mesh:
@@ -172,9 +160,9 @@ def piece_of(slot: Slot, key: str, value: Any) -> Any:
         local = slot.fp.local_chunk(value) if slot.fp is not None else value
     else:
         local = value
-    if not slot.split:
-        return local.to(slot.piece.device).clone()
-    return local.reshape(-1).narrow(0, slot.start, slot.length).to(slot.piece.device).clone()
+    if slot.split:
+        local = local.reshape(-1).narrow(0, slot.start, slot.length)
+    return local.to(slot.piece.device, copy=True)
 
 
 def clip_slots(

@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from fsdp2._core.collectives import all_gather
 from fsdp2._core.labels import label
@@ -35,12 +34,14 @@ if TYPE_CHECKING:
     from fsdp2._core.param import FSDPParam
 
 __all__ = [
+    "clear_piece_grads",
     "finish_gather",
     "gather_pieces",
+    "gather_rows",
     "land_pieces",
     "piece_range",
     "piece_views",
-    "replica_rank",
+    "whole_rows",
 ]
 
 
@@ -84,42 +85,64 @@ def land_pieces(group: ParamGroup, params: list[FSDPParam], output: torch.Tensor
     return offset
 
 
+def gather_rows(
+    group: ParamGroup, pieces: list[torch.Tensor], numels: list[int], what: str
+) -> Pending:
+    """Issue ONE all-gather over ``group``'s replicas of this rank's ``pieces`` (each of the
+    flattened local shard of ``numels[i]`` elements, padded to ``ceil(n / R)``);
+    ``whole_rows`` reads the result."""
+    pg = group.info.replicate_group
+    assert pg is not None
+    replicas = group.info.replicate_size
+
+    def pack() -> list[torch.Tensor]:
+        padded = []
+        for piece, n in zip(pieces, numels, strict=True):
+            c = -(-n // replicas)
+            padded.append(
+                piece
+                if piece.numel() == c
+                else torch.cat([piece, piece.new_zeros(c - piece.numel())])
+            )
+        return [torch.cat(padded).to(group.device)]
+
+    return all_gather(pack, pg, replicas, lambda: f"replicas: {what}")[0]  # type: ignore[return-value]
+
+
+def whole_rows(rows: torch.Tensor, numels: list[int]) -> list[torch.Tensor]:
+    """Each flattened local shard whole (views of ``rows``, the ``(replicas, sum of c)``
+    result of ``gather_rows``)."""
+    out, offset = [], 0
+    for n in numels:
+        c = -(-n // rows.size(0))
+        out.append(rows.narrow(1, offset, c).reshape(-1)[:n])
+        offset += c
+    return out
+
+
 def gather_pieces(group: ParamGroup, params: list[FSDPParam]) -> Pending:
     """Issue the all-gather over the replicas of ``params``' updated pieces (of their local
     shards); ``finish_gather`` copies the result back into every local shard."""
     pg = group.info.replicate_group
     assert pg is not None
     replicas, rank = group.info.replicate_size, pg.rank()
-    device = group.device
-
-    def pack() -> list[torch.Tensor]:
-        slots = []
-        for p in params:
-            start, length, c = piece_range(p.local_numel, replicas, rank)
-            local = p.sharded._local_tensor.view(-1)
-            piece = local.narrow(0, start, length)
-            if length < c:
-                piece = torch.cat([piece, piece.new_zeros(c - length)])
-            slots.append(piece)
-        return [torch.cat(slots).to(device)]
-
-    return all_gather(pack, pg, replicas, lambda: f"replicas: {group.path}")[0]  # type: ignore[return-value]
+    pieces = []
+    for p in params:
+        start, length, _ = piece_range(p.local_numel, replicas, rank)
+        pieces.append(p.sharded._local_tensor.view(-1).narrow(0, start, length))
+    return gather_rows(group, pieces, [p.local_numel for p in params], group.path)
 
 
 def finish_gather(group: ParamGroup, params: list[FSDPParam], pending: Pending) -> None:
     """Wait for ``gather_pieces``' all-gather and copy every replica's pieces into place."""
     with label("all_gather wait", lambda: f"replicas: {group.path}"):
-        rows = pending.wait()  # (replicas, sum of c)
-    offset = 0
+        rows = pending.wait()
+    for p, whole in zip(params, whole_rows(rows, [p.local_numel for p in params]), strict=True):
+        p.sharded._local_tensor.view(-1).copy_(whole)
+
+
+def clear_piece_grads(params: list[FSDPParam], set_to_none: bool) -> None:
+    """``zero_grad`` of the gradient pieces (the model's and the optimizer's)."""
     for p in params:
-        local = p.sharded._local_tensor
-        n = p.local_numel
-        c = -(-n // rows.size(0))
-        whole = rows.narrow(1, offset, c).reshape(-1)[:n]
-        local.view(-1).copy_(whole)
-        offset += c
-
-
-def replica_rank(group: ParamGroup) -> int:
-    pg = group.info.replicate_group
-    return 0 if pg is None else dist.get_rank(pg)
+        if p.piece_grad is not None:
+            p.piece_grad = None if set_to_none else p.piece_grad.zero_()

@@ -16,6 +16,8 @@
 * checkpoints move between the two layouts: ``state_dict``/``load_state_dict`` and DCP
   through ``get_state_dict``/``set_state_dict``, saved at ``(2, 2)`` and loaded at
   ``(4, 1)`` and back; FSDP1's FULL optimizer state dict is the plain optimizer's;
+  ``state_dict()`` equals that of a plain AdamW over torch's FSDP2 HSDP before the first
+  step, between a backward and its step and after a step, and loads torch's mid-step;
 * parameter groups of their own hyperparameters, one added after a step, and a closure;
 * bad input raises before any collective: matrix-wise and non-elementwise optimizers, an
   HSDP module with parameters outside the optimizer, deterministic reduction, a plain
@@ -457,6 +459,52 @@ def _checkpoints(root: str) -> None:
     for fqn, st in theirs["state"].items():
         for key, v in st.items():
             assert torch.equal(ours["state"][fqn][key], v), (fqn, key)
+
+
+def _same_state_dict(ours: dict[str, Any], theirs: dict[str, Any], what: str) -> None:
+    assert ours["param_groups"] == theirs["param_groups"], what
+    assert ours["state"].keys() == theirs["state"].keys(), what
+    for i, st in theirs["state"].items():
+        assert st.keys() == ours["state"][i].keys(), (what, i)
+        for key, v in st.items():
+            mine = ours["state"][i][key]
+            if isinstance(v, torch.distributed.tensor.DTensor):
+                assert mine.placements == v.placements, (what, i, key)
+                mine, v = mine.full_tensor(), v.full_tensor()
+            assert torch.equal(mine, v), (what, i, key)
+
+
+def _state_dicts_beside_torch() -> None:
+    """``state_dict()`` / ``load_state_dict()`` against torch's FSDP2 HSDP with a plain AdamW,
+    at each point of a step: before the first, between a backward and its step, after a
+    step; a state dict of torch's loaded between a backward and its step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    theirs_model = _model("torch", (2, 2))
+    ours_model = _model("fsdp2", (2, 2))
+    theirs = _optimizer("adamw", theirs_model.parameters())
+    ours = shard_over_replicas(_optimizer("adamw", ours_model.parameters()))
+    _same_state_dict(ours.state_dict(), theirs.state_dict(), "before the first step")
+    for s in range(3):
+        x, y = make_batch(MODEL, s)
+        xs, ys = rank_slice(x, rank, world), rank_slice(y, rank, world)
+        losses = [local_loss(m, MODEL, xs, ys) for m in (ours_model, theirs_model)]
+        for loss in losses:
+            loss.backward()
+        assert losses[0].item() == losses[1].item(), s
+        _same_state_dict(ours.state_dict(), theirs.state_dict(), f"step {s}, after backward")
+        if s == 1:  # torch's state loaded between a backward and its step
+            ours.load_state_dict(theirs.state_dict())
+        for opt in (ours, theirs):
+            opt.step()
+            opt.zero_grad()
+        _same_state_dict(ours.state_dict(), theirs.state_dict(), f"after step {s}")
+    mine, want = full_params(ours_model), full_params(theirs_model)
+    for k, v in want.items():
+        assert torch.equal(mine[k], v), k
+
+
+def test_state_dicts_beside_torchs_fsdp2() -> None:
+    run_on_ranks(4, _state_dicts_beside_torch)
 
 
 def test_checkpoints_move_between_layouts() -> None:
