@@ -26,9 +26,9 @@ Four parts, each printed as a table and written as JSON (``--json``):
 
 * ``deterministic``: world size 1, the step's Llama, each batch as 4 micro-batches of one
   sequence accumulated with ``set_requires_gradient_sync(False)`` but the last: fsdp2's
-  default (the loss divided by 4) against ``fsdp2.reduction.set_deterministic`` (fp32 trees
-  of partial sums), interleaved. Target: at most 1.10x (at world size 1 this is the cost of
-  the trees; the exchange needs more GPUs).
+  default against ``fsdp2.reduction.set_deterministic`` (fp32 trees of partial sums), both
+  with the loss divided by 4, interleaved. Target: at most 1.10x (at world size 1 this is
+  the cost of the trees; the exchange needs more GPUs).
 
 ``--device cpu`` runs the same code on a tiny model with gloo (what CI checks: the harness,
 not the numbers); memory there is the live tensor bytes of ``benchmarks/_memory.py``.
@@ -260,7 +260,16 @@ def part_deterministic(device: str, size: str, steps: int, warmup: int) -> dict[
         models[impl] = model
         optims[impl] = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = _data(cfg, batch, seq, steps + warmup)
-    run = _interleaved(device, models, optims, data, warmup, set(), micro=batch, scaled={"fsdp2"})
+    run = _interleaved(
+        device,
+        models,
+        optims,
+        data,
+        warmup,
+        set(),
+        micro=batch,
+        scaled={"fsdp2", "fsdp2_deterministic"},
+    )
     out = {
         "part": "deterministic",
         "what": f"world size 1, Llama {cfg.n_layers} layers dim {cfg.dim} vocab "

@@ -45,7 +45,7 @@ def train(mesh: DeviceMesh) -> tuple[list[float], dict[str, torch.Tensor]]:
             tokens = batch[rank * per_rank + j]
             model.set_requires_gradient_sync(j == per_rank - 1)
             loss = model(tokens[:, :-1], tokens[:, 1:])  # the micro-batch's own mean
-            loss.backward()
+            (loss / per_rank).backward()  # the usual loop: over the accumulation steps
             losses.append(loss.item())
         opt.step()
         opt.zero_grad()

@@ -198,25 +198,31 @@ def set_deterministic(model: nn.Module, enabled: bool = True) -> None:
     one canonical order, so that training gives the same bits at every world size.
 
     A fixed global batch of ``M`` micro-batches, each rank taking ``k = M / W`` consecutive
-    ones (``k`` a power of two when ``W > 1``: rank ``r`` the micro-batches ``r*k`` to
-    ``r*k + k - 1``), each one's backward with ``set_requires_gradient_sync(False)`` but the
-    last: each parameter's gradient is then the canonical tree sum ([Note: canonical sum]
-    in fsdp2/_core/exact.py) of the ``M`` micro-batch gradients, in fp32, divided once by
-    ``M`` (or by ``set_gradient_divide_factor``'s factor) - the same bits on 1, 2, 4 ranks
-    or an HSDP mesh, given the same kernels per micro-batch. Each micro-batch's loss is
-    its own mean loss (do not divide it by the accumulation steps). The micro-batch
-    gradients are kept as a tree of partial sums (at most ``log2(k) + 1`` unsharded fp32
-    gradients per parameter), reduced by exchange (:class:`ExchangeReduceScatter`, fp32
-    on the wire) and, on HSDP, summed across replicas by exchange too.
+    ones (rank ``r`` the micro-batches ``r*k`` to ``r*k + k - 1``; ``k`` and ``W`` powers of
+    two), each one's backward with ``set_requires_gradient_sync(False)`` but the last: each
+    parameter's gradient is then the canonical tree sum ([Note: canonical sum] in
+    fsdp2/_core/exact.py) of the micro-batch gradients, in fp32, divided once by the
+    data-parallel ranks ``W`` as the default reduction averages (or by
+    ``set_gradient_divide_factor``'s factor). So the usual loop keeps its loss: each
+    micro-batch's mean loss divided by ``k`` gives the gradient of the global batch's mean,
+    the same bits on 1, 2, 4 ranks or an HSDP mesh (dividing by a power of two is exact),
+    given the same kernels per micro-batch; so does a loss over the global token count with
+    the divide factor 1 (torchtitan's). The micro-batch gradients are kept as a tree of
+    partial sums (at most ``log2(k) + 1`` unsharded fp32 gradients per parameter), reduced
+    by exchange (:class:`ExchangeReduceScatter`, fp32 on the wire) and, on HSDP, summed
+    across replicas by exchange too. A low-precision wire (:func:`set_exchange_reduce`, a
+    custom reduce-scatter) would round each rank's partial sum: refused, in either order.
 
     Call after ``fully_shard`` and before the first backward, on every rank alike.
     ``enabled=False`` returns to torch's reduce-scatter. See docs/reproducibility.md.
 
     Raises:
-        ValueError: ``model`` holds no ``fully_shard`` module, or one whose gradients
-            ``fsdp2.replica_optim`` shards over the replicas.
-        RuntimeError: at a reduction, when a rank summed a number of micro-batches that is
-            not a power of two on more than one data-parallel rank (before any collective).
+        ValueError: ``model`` holds no ``fully_shard`` module, one whose gradients
+            ``fsdp2.replica_optim`` shards over the replicas, or one with a custom
+            reduce-scatter (a low-precision wire).
+        RuntimeError: at a reduction, before any collective: a rank summed a number of
+            micro-batches that is not a power of two on more than one data-parallel rank,
+            or the data-parallel ranks are not a power of two (without a divide factor).
     """
     modules = _fsdp_modules(model, "set_deterministic")
     if enabled:
@@ -226,6 +232,21 @@ def set_deterministic(model: nn.Module, enabled: bool = True) -> None:
                 f"set_deterministic: {type(pieced[0]).__name__} shards its gradients over the "
                 "replicas (fsdp2.replica_optim), which the deterministic reduction does not do "
                 "yet: call set_deterministic on a model without a ReplicaShardedOptimizer"
+            )
+        custom = [
+            (m, g.reduce.comm)
+            for m in modules
+            for g in m._groups()
+            if g.reduce.comm is not None and not g.reduce.exact
+        ]
+        if custom:
+            m, comm = custom[0]
+            raise ValueError(
+                f"set_deterministic: {type(m).__name__} reduces with {comm!r} "
+                "(set_exchange_reduce or set_custom_reduce_scatter); the deterministic mode "
+                "sums in fp32 in one fixed order, and a low-precision wire would round each "
+                "rank's partial sum, so the bits would change with the world size. Drop the "
+                "custom reduce-scatter (build the model without it) to train deterministically"
             )
     comm = ExchangeReduceScatter() if enabled else None
     for m in modules:

@@ -315,6 +315,14 @@ class FSDPModule:
                 f"set_custom_reduce_scatter expects a ReduceScatter, got {type(comm).__name__}"
             )
         self._one_group("set_custom_reduce_scatter", "custom comm")
+        if any(g.reduce.exact for g in self._groups()):
+            raise ValueError(
+                f"set_custom_reduce_scatter: {type(self).__name__} reduces deterministically "
+                "(fsdp2.reduction.set_deterministic), by an exchange that sums in fp32 in one "
+                "fixed order; another reduce-scatter (a low-precision wire) would round each "
+                "rank's partial sum and the bits would change with the world size. Call "
+                "set_deterministic(model, False) first, or keep the deterministic mode alone"
+            )
         self._update(False, reduce={"comm": comm})
 
     def set_reduce_scatter_max_input_buffers(

@@ -84,7 +84,6 @@ class Part(NamedTuple):
     grads: list[torch.Tensor]
     numel: int  # elements per rank
     nbytes: int  # of the packed reduce-scatter input (every rank's rows)
-    leaves: int = 0  # exact reduction: the micro-batches summed on this rank
 
 
 class Reduction:
@@ -201,11 +200,13 @@ class Reduction:
 
 def _exact_divisor(part: Part) -> float:
     """Exact reduction divides the sum once: by the divide factor if set, else by the
-    micro-batches summed over every data-parallel rank."""
+    data-parallel ranks, as the default reduction averages (so the usual loop, each
+    micro-batch's loss divided by the accumulation steps, gives the default's gradient). The
+    ranks are a power of two, so the division is exact (docs/reproducibility.md)."""
     g = part.group
     if g.reduce.divide_factor is not None:
         return g.reduce.divide_factor
-    return float(part.leaves * g.world * g.info.replicate_size)
+    return float(g.world * g.info.replicate_size)
 
 
 def push_exact(group: ParamGroup, state: GradState) -> None:
@@ -301,13 +302,13 @@ def take_grads(group: ParamGroup, state: GradState) -> Part | None:
     sums of ``state`` (``None`` if there are none), ready for ``reduce`` alone or in a
     bucket with other groups'."""
     params, grads = _take_grads(group, state)
-    leaves, state.leaves = state.leaves, 0  # exact reduction: the micro-batches summed
+    state.leaves = 0  # exact reduction: the micro-batches summed, checked by _take_grads
     if not params:
         return None
     w = group.world
     numel = sum(-(-g.size(0) // w) * (g.numel() // max(g.size(0), 1)) for g in grads)
     dtype = reduce_dtype_of(group)
-    return Part(group, state, params, grads, numel, w * numel * dtype.itemsize, leaves)
+    return Part(group, state, params, grads, numel, w * numel * dtype.itemsize)
 
 
 def reduce_dtype_of(group: ParamGroup) -> torch.dtype:
@@ -333,6 +334,14 @@ def _check_leaves(group: ParamGroup, leaves: int) -> None:
             f"deterministic reduction of {group.path}: HSDP with a shard size of "
             f"{group.world}: summing across replicas in the world-size-invariant order needs "
             "a power-of-two shard size (docs/reproducibility.md)"
+        )
+    ranks = group.world * replicate
+    if leaves and group.reduce.divide_factor is None and not is_power_of_two(ranks):
+        raise RuntimeError(
+            f"deterministic reduction of {group.path}: the summed gradient is divided by the "
+            f"{ranks} data-parallel ranks, exact (the same bits at every world size) only for "
+            "a power of two: train on 1, 2, 4, ... data-parallel ranks, or divide the loss "
+            "yourself and call set_gradient_divide_factor(1.0) (docs/reproducibility.md)"
         )
 
 

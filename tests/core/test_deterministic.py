@@ -150,7 +150,9 @@ def _train(
             model.set_requires_gradient_sync(j == k - 1)
             loss = _loss(model, kind, tokens[i])
             mine[i] = loss.detach().float()
-            (loss if deterministic else loss / k).backward()
+            # the usual loop: the loss over the rank's accumulation steps; torchtitan's MoE
+            # layout (divide factor 1) takes the loss over the global batch instead
+            (loss / (micro if kind == "moe" else k)).backward()
         dist.all_reduce(mine)  # one rank wrote each entry: exact
         out["losses"].append(mine)
         if clip:  # clipping happens (the norms here are above 0.5)
@@ -211,10 +213,18 @@ def test_same_bits_at_world_sizes_1_2_4_and_hsdp(mp: str) -> None:
 
 
 def test_the_default_reduction_differs() -> None:
-    """The control: today's reduce (sum order by world size and algorithm) changes the bits."""
+    """The control: today's reduce (sum order by world size and algorithm) changes the bits;
+    and the deterministic mode, fed the same loop (the loss over the accumulation steps),
+    gives the default's gradients and parameters to rounding, not a multiple of them."""
     one = run_on_ranks(1, _train, (1,), "fp32", False)[0]
     four = run_on_ranks(4, _train, (4,), "fp32", False)[0]
     assert _same(one, four), "the default reduction gave the same bits at 1 and 4 ranks"
+    exact = run_on_ranks(4, _train, (4,), "fp32", True)[0]
+    for step, (a, b) in enumerate(zip(four["grads"], exact["grads"], strict=True)):
+        for n in a:
+            torch.testing.assert_close(b[n], a[n], rtol=1e-4, atol=1e-6, msg=f"{step} {n}")
+    for n, p in four["params"].items():
+        torch.testing.assert_close(exact["params"][n], p, rtol=1e-4, atol=1e-5, msg=n)
 
 
 def _three_micro_batches() -> str:
@@ -228,6 +238,53 @@ def _three_micro_batches() -> str:
 def test_micro_batches_not_a_power_of_two_raise() -> None:
     for msg in run_on_ranks(2, _three_micro_batches):
         assert "3 micro-batches" in msg and "power of two" in msg, msg
+
+
+def _three_ranks(divide_factor: float | None) -> str:
+    model = Llama(CFG)
+    fsdp2.fully_shard(model, mesh=init_device_mesh("cpu", (3,)))
+    set_deterministic(model)
+    if divide_factor is not None:
+        model.set_gradient_divide_factor(divide_factor)
+    tokens = torch.randint(0, CFG.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    try:
+        (model(tokens[:, :-1], tokens[:, 1:]) / 3).backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_not_a_power_of_two_need_a_divide_factor() -> None:
+    """Dividing the sum by 3 ranks is not exact: refused on every rank before the reduction,
+    naming the fixes; with the loss divided by the user (divide factor 1) it trains."""
+    for msg in run_on_ranks(3, _three_ranks, None):
+        assert "3 data-parallel ranks" in msg and "set_gradient_divide_factor" in msg, msg
+    assert run_on_ranks(3, _three_ranks, 1.0) == ["no error"] * 3
+
+
+def _wire_and_deterministic() -> list[str]:
+    from fsdp2.reduction import set_exchange_reduce
+
+    msgs = []
+    for first in ("wire", "deterministic"):
+        model = Llama(CFG)
+        fsdp2.fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        try:
+            if first == "wire":
+                set_exchange_reduce(model, torch.bfloat16)
+                set_deterministic(model)
+            else:
+                set_deterministic(model)
+                set_exchange_reduce(model, torch.bfloat16)
+        except ValueError as e:
+            msgs.append(str(e))
+    return msgs
+
+
+def test_a_low_precision_wire_is_refused_in_either_order() -> None:
+    wire_first, det_first = run_on_ranks(1, _wire_and_deterministic)[0]
+    assert "ExchangeReduceScatter(wire_dtype=torch.bfloat16)" in wire_first, wire_first
+    assert "reduces deterministically" in det_first, det_first
 
 
 @pytest.mark.parametrize(

@@ -3,12 +3,15 @@ bits on ``W`` ranks as on one.
 
 Hypothesis draws the model (width, depth, vocabulary), the micro-batches per rank (1, 2 or
 4), the mesh (FSDP, or HSDP 2x2 on 4 ranks), bf16 or fp32 compute, AdamW or SGD with
-momentum, and whether the gradients are clipped (``reduction.clip_grad_norm_``). Each rank
-trains the drawn model twice on the same global batches: on the ``W``-rank mesh, taking its
-consecutive micro-batches, and alone on a 1-rank mesh with all of them; losses, gradient
-norms and full parameters after two steps must be bitwise equal. World sizes 2, 3 (not a
-power of two: the canonical tree still splits at aligned blocks) and 4; the ``ci`` profile's
-examples are fixed (derandomized), ``HYPOTHESIS_PROFILE=long`` draws more.
+momentum, whether the gradients are clipped (``reduction.clip_grad_norm_``), and how the
+loss is normalized: each micro-batch's mean loss divided by the rank's accumulation steps
+(the usual loop), or over the global batch with the divide factor 1 (torchtitan's). Each
+rank trains the drawn model twice on the same global batches: on the ``W``-rank mesh,
+taking its consecutive micro-batches, and alone on a 1-rank mesh with all of them; losses,
+gradient norms and full parameters after two steps must be bitwise equal. World sizes 2, 3
+(not a power of two: the canonical tree still splits at aligned blocks; only the global
+normalization, as dividing by 3 ranks is not exact) and 4; the ``ci`` profile's examples
+are fixed (derandomized), ``HYPOTHESIS_PROFILE=long`` draws more.
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ def _train(spec: dict[str, Any], mesh: DeviceMesh, rank: int, world: int) -> lis
         fsdp2.fully_shard(block, mesh=mesh, mp_policy=mp)
     fsdp2.fully_shard(model, mesh=mesh, mp_policy=mp)
     reduction.set_deterministic(model)
+    if spec["norm"] == "global":  # torchtitan's: every fully_shard module divides by 1
+        for m in model.modules():
+            if isinstance(m, fsdp2.FSDPModule):
+                m.set_gradient_divide_factor(1.0)
     if spec["optim"] == "adamw":
         opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     else:
@@ -63,7 +70,7 @@ def _train(spec: dict[str, Any], mesh: DeviceMesh, rank: int, world: int) -> lis
             model.set_requires_gradient_sync(j == per_rank - 1)
             loss = model(tokens[i, :, :-1], tokens[i, :, 1:])
             losses[i] = loss.detach().float()
-            loss.backward()
+            (loss / (per_rank if spec["norm"] == "per_rank" else tokens.size(0))).backward()
         if world > 1:  # every rank of the default group is a data-parallel rank here
             dist.all_reduce(losses)
         out.append(losses)
@@ -99,9 +106,12 @@ def _property(world: int, name: str, n: int) -> int:
         clip=st.booleans(),
         use_hsdp=st.booleans(),
         seed=st.integers(0, 1000),
+        norm=st.sampled_from(["per_rank", "global"]),
     )
     def check(**spec: Any) -> None:
         seen[0] += 1
+        if world == 3:  # dividing by 3 ranks is not exact: only the global normalization
+            spec["norm"] = "global"
         spec["k_total"] = spec["k"] * world
         mesh = hsdp if spec["use_hsdp"] and hsdp is not None else flat
         ours = _train(spec, mesh, rank, world)
