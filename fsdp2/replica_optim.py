@@ -12,7 +12,7 @@ optimizer shards them over the replicas too (ZeRO over HSDP's replicas)::
     optim = fsdp2.replica_optim.shard_over_replicas(torch.optim.AdamW(model.parameters(), lr=3e-4))
     for batch in data:
         model(batch).sum().backward()
-        optim.clip_grad_norm_(1.0)  # not torch.nn.utils.clip_grad_norm_: see below
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # or optim.clip_grad_norm_
         optim.step()
         optim.zero_grad()
 
@@ -29,11 +29,13 @@ sums (bitwise for two replicas) and the same elementwise update.
 
 What changes for the training loop:
 
-- The gradients of the wrapped HSDP parameters are held in pieces: their ``.grad`` stays
-  ``None``. Clip with :meth:`ReplicaShardedOptimizer.clip_grad_norm_` or
-  ``fsdp2.clip_grad_norm_`` (both take the norm over the pieces);
-  ``torch.nn.utils.clip_grad_norm_`` would not see them. ``optim.zero_grad()`` and
-  ``model.zero_grad()`` clear them.
+- The gradients of the wrapped HSDP parameters are held in pieces, and each piece is its
+  parameter's ``.grad``: a DTensor whose local tensor is the piece, which the standard tools
+  read exactly (``torch.nn.utils.clip_grad_norm_``, ``GradScaler``, the frameworks'
+  clipping; [Note: pieces as .grad] in fsdp2/_core/piece_grad.py), as do
+  :meth:`ReplicaShardedOptimizer.clip_grad_norm_` and ``fsdp2.clip_grad_norm_``.
+  ``p.grad.full_tensor()`` gathers it whole; an op that needs its layout (a view) raises.
+  ``optim.zero_grad()`` and ``model.zero_grad()`` clear them.
 - ``optim.state[p]`` holds the pieces; ``state_dict()``, ``load_state_dict()``,
   ``torch.distributed.checkpoint``'s ``get_optimizer_state_dict`` /
   ``set_optimizer_state_dict`` and DCP save and load use the usual layout (each state
@@ -56,12 +58,13 @@ from typing import Any
 
 import torch
 
+from fsdp2._core.piece_grad import PieceGrad, flat_mesh
 from fsdp2._core.piece_state import Slot, clip_slots, like, piece_of, whole_state
-from fsdp2._core.pieces import clear_piece_grads, finish_gather, gather_pieces
+from fsdp2._core.pieces import finish_gather, gather_pieces
 from fsdp2._core.unsharded import REPLICA_MARK, sharded_of, sharded_owners, track
 from fsdp2.optim import ELEMENTWISE_OPTIMIZERS, MATRIX_WISE_OPTIMIZERS, Muon
 
-__all__ = ["ReplicaShardedOptimizer", "shard_over_replicas"]
+__all__ = ["PieceGrad", "ReplicaShardedOptimizer", "shard_over_replicas"]
 
 
 def shard_over_replicas(
@@ -183,11 +186,6 @@ class ReplicaShardedOptimizer(torch.optim.Optimizer):
         self._mirror_state()
         return loss
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients: the pieces and any ``.grad``."""
-        clear_piece_grads([s.fp for s in self._slots if s.fp is not None], set_to_none)
-        super().zero_grad(set_to_none)
-
     def piece_grads(self) -> list[torch.Tensor]:
         """The gradients this rank steps (pieces, and local shards of other parameters)."""
         return [g for g in (slot.grad() for slot in self._slots) if g is not None]
@@ -304,6 +302,8 @@ def _start_replica_sharding(slots: list[Slot]) -> None:
                 )
     for g in groups.values():
         if not g.reduce.replica_shard:
+            for fp in g.params:  # where the pieces' .grad lives (collective: every rank)
+                flat_mesh(fp)
             g.update(reduce={"replica_shard": True})
             track(g)
 

@@ -26,6 +26,8 @@ from comm_counter import AG_API
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.checkpoint import checkpoint
 
+from fsdp2._core.piece_grad import PieceGrad
+
 __all__ = [
     "MLPBlock",
     "MLPStack",
@@ -363,6 +365,8 @@ def _shard0_dim(t: Any) -> int | None:
     """The mesh dim ``t`` is sharded on (dim 0) when ``full_values`` may gather it in a
     bucket, else ``None``. Depends only on what every rank agrees on."""
     if not isinstance(t, DTensor) or t.dtype not in _FLOATS or t.dim() == 0:
+        return None
+    if isinstance(t, PieceGrad):  # a gradient held in pieces over the replicas
         return None
     if type(t.to_local()) is not torch.Tensor:  # tensor subclasses: DTensor knows best
         return None

@@ -356,6 +356,7 @@ class MeshCache:
     block_meshes: dict[int, DeviceMesh] = field(default_factory=dict)
     separate_group: dist.ProcessGroup | None = None
     self_group: dist.ProcessGroup | None = None
+    flat: DeviceMesh | None = None  # the mesh flattened to one dim ([Note: pieces as .grad])
     placeholders: dict[tuple[torch.dtype, torch.device], torch.Tensor] = field(default_factory=dict)
 
     def placeholder(self, like: torch.Tensor) -> torch.Tensor:

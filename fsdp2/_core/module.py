@@ -12,7 +12,6 @@ import torch
 from fsdp2._core import relayout
 from fsdp2._core.group import ParamGroup, Sharded
 from fsdp2._core.mesh import separate_shard_group
-from fsdp2._core.pieces import clear_piece_grads
 from fsdp2._core.state import FSDPState, state_of
 from fsdp2._core.step import StepPhase
 from fsdp2._core.transport import BackendAlloc
@@ -432,7 +431,6 @@ class FSDPModule:
         backward adds to the last step's gradients there."""
         super().zero_grad(set_to_none)  # type: ignore[misc]
         for g in self._groups(recurse=True):
-            clear_piece_grads(g.params, set_to_none)  # [Note: pieces] in pieces.py
             if g.sharded_state is Sharded.SHARDED:
                 continue
             for p in g.params:

@@ -74,7 +74,6 @@ class FSDPParam:
         "ext",
         "stride",
         "placeholder",
-        "piece_grad",
     )
 
     def __init__(
@@ -153,9 +152,6 @@ class FSDPParam:
         self.unsharded: torch.Tensor | None = param
         self.spec: DTensorSpec | None = None
         self.placeholder: torch.Tensor | None = None  # see grad_dtensor
-        # HSDP with replica sharding: this replica rank's piece of the flattened local
-        # gradient ([Note: pieces] in pieces.py); ``None`` otherwise or before a reduction
-        self.piece_grad: torch.Tensor | None = None
 
     def local_chunk(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's unpadded chunk of ``full``."""

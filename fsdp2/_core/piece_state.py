@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp2._core.collectives import all_reduce
+from fsdp2._core.piece_grad import PieceGrad, piece_grad_of, set_piece_grad
 from fsdp2._core.pieces import gather_rows, piece_range, whole_rows
 
 __all__ = ["Slot", "clip_slots", "like", "piece_of", "whole_state"]
@@ -68,8 +69,9 @@ class Slot:
         )
 
     def grad(self) -> torch.Tensor | None:
-        """The gradient of the piece: the landed piece, plus any gradient set on the
-        parameter itself (``torch.distributed.checkpoint``'s state initialization)."""
+        """The gradient of the piece: the landed piece (the parameter's ``PieceGrad``), or
+        the piece of a gradient set on the parameter in its own layout
+        (``torch.distributed.checkpoint``'s state initialization, a user's)."""
         p, g = self.param, self.param.grad
         if not self.split:
             if isinstance(g, DTensor):
@@ -80,12 +82,18 @@ class Slot:
                     )
                 return g._local_tensor
             return g
-        got = self.fp.piece_grad
-        if g is not None:
-            local = g._local_tensor if isinstance(g, DTensor) else self.fp.local_chunk(g)
-            extra = local.reshape(-1).narrow(0, self.start, self.length)
-            got = extra.to(self.piece.dtype, copy=True) if got is None else got + extra
-        return got  # type: ignore[no-any-return]
+        if g is None or isinstance(g, PieceGrad):
+            return piece_grad_of(self.fp)
+        local = g._local_tensor if isinstance(g, DTensor) else self.fp.local_chunk(g)
+        piece = local.reshape(-1).narrow(0, self.start, self.length)
+        return piece.to(self.piece.dtype, copy=True)
+
+    def hold_as_pieces(self) -> None:
+        """A gradient set on the parameter in its own layout becomes its piece, held as its
+        ``PieceGrad`` (so clipping scales what the step reads)."""
+        g = self.param.grad
+        if self.split and g is not None and not isinstance(g, PieceGrad):
+            set_piece_grad(self.group, self.fp, self.grad())
 
     @property
     def name(self) -> str:
@@ -177,12 +185,10 @@ def clip_slots(
     inf = norm_type == float("inf")
     by_groups: dict[tuple[Any, ...], list[torch.Tensor]] = {}
     for slot in slots:
+        slot.hold_as_pieces()
         g = slot.grad()
         if g is None:
             continue
-        if slot.split and slot.param.grad is not None:  # fold it into the piece first
-            slot.fp.piece_grad = g
-            slot.param.grad = None
         by_groups.setdefault(_norm_groups(slot), []).append(g)
     device = next((g.device for gs in by_groups.values() for g in gs), torch.device("cpu"))
     total = torch.zeros((), dtype=torch.float32, device=device)

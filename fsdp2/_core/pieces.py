@@ -8,11 +8,12 @@
 # set by ``fsdp2.replica_optim``) the all-reduce becomes a reduce-scatter over the replicas:
 # each parameter's local shard, flattened (``n`` elements), is cut into ``R`` pieces of
 # ``c = ceil(n / R)`` elements (the last ones shorter, possibly empty: ``piece_range``), and
-# replica rank ``r`` keeps piece ``r`` of every parameter's gradient (``FSDPParam.piece_grad``,
-# in the parameter's dtype). The optimizer steps views of the pieces of the local shard, and
-# ``gather_pieces`` all-gathers the updated pieces over the replicas back into every replica's
-# local shard. An all-reduce is a reduce-scatter and an all-gather: the bytes across replicas
-# are the same when gradients are reduced in the parameters' dtype.
+# replica rank ``r`` keeps piece ``r`` of every parameter's gradient (in the parameter's
+# dtype, held as the parameter's ``.grad``: [Note: pieces as .grad] in piece_grad.py). The
+# optimizer steps views of the pieces of the local shard, and ``gather_pieces`` all-gathers
+# the updated pieces over the replicas back into every replica's local shard. An all-reduce
+# is a reduce-scatter and an all-gather: the bytes across replicas are the same when
+# gradients are reduced in the parameters' dtype.
 #
 # Each parameter is cut on its own (not the group's flat shard), so which parameters have a
 # gradient (frozen, unused) never moves another parameter's piece, and a piece is a 1D slice of
@@ -34,11 +35,9 @@ if TYPE_CHECKING:
     from fsdp2._core.param import FSDPParam
 
 __all__ = [
-    "clear_piece_grads",
     "finish_gather",
     "gather_pieces",
     "gather_rows",
-    "land_pieces",
     "piece_range",
     "piece_views",
     "whole_rows",
@@ -61,28 +60,6 @@ def piece_views(params: list[FSDPParam], output: torch.Tensor) -> list[torch.Ten
         views.append(output.narrow(0, offset, p.local_numel))
         offset += p.padded_numel
     return views
-
-
-def land_pieces(group: ParamGroup, params: list[FSDPParam], output: torch.Tensor) -> int:
-    """Land this replica rank's pieces of ``params``' gradients (``output``: one slot of
-    ``c`` elements per parameter, back to back) as ``FSDPParam.piece_grad``, accumulating
-    into existing ones; returns the elements consumed."""
-    pg = group.info.replicate_group
-    assert pg is not None
-    replicas, rank = group.info.replicate_size, pg.rank()
-    flat = group.sharded_flat
-    offset = 0
-    for p in params:
-        _, length, c = piece_range(p.local_numel, replicas, rank)
-        g = output.narrow(0, offset, length)
-        offset += c
-        if g.device != flat.device or g.dtype != group.orig_dtype:
-            g = g.to(device=flat.device, dtype=group.orig_dtype)
-        if p.piece_grad is None:
-            p.piece_grad = g
-        else:
-            p.piece_grad.add_(g)
-    return offset
 
 
 def gather_rows(
@@ -139,10 +116,3 @@ def finish_gather(group: ParamGroup, params: list[FSDPParam], pending: Pending) 
         rows = pending.wait()
     for p, whole in zip(params, whole_rows(rows, [p.local_numel for p in params]), strict=True):
         p.sharded._local_tensor.view(-1).copy_(whole)
-
-
-def clear_piece_grads(params: list[FSDPParam], set_to_none: bool) -> None:
-    """``zero_grad`` of the gradient pieces (the model's and the optimizer's)."""
-    for p in params:
-        if p.piece_grad is not None:
-            p.piece_grad = None if set_to_none else p.piece_grad.zero_()

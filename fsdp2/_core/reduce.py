@@ -26,7 +26,8 @@ from fsdp2._core.collectives import DividePlan, all_reduce, reduce_scatter
 from fsdp2._core.exact import TreeSum, is_power_of_two
 from fsdp2._core.labels import label
 from fsdp2._core.param import FSDPParam
-from fsdp2._core.pieces import land_pieces, piece_views
+from fsdp2._core.piece_grad import land_pieces
+from fsdp2._core.pieces import piece_views
 from fsdp2._core.transport import Pending, pack_for_reduce_scatter
 
 if TYPE_CHECKING:

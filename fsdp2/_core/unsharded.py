@@ -160,9 +160,9 @@ def _refuse_pieced(optimizer: torch.optim.Optimizer, group: Any, fqn: str, i: in
     raise RuntimeError(
         f"fsdp2: {type(optimizer).__name__}.step() would update {fqn} "
         f"(param_groups[{i}]['params'][{j}]) of fully_shard({group.name}), whose gradient "
-        "is sharded over the replicas by fsdp2.replica_optim: its .grad stays None and only "
-        "the ReplicaShardedOptimizer holding it steps it. Put every parameter of that "
-        "module in the one ReplicaShardedOptimizer (docs/parallelism.md)"
+        "is sharded over the replicas by fsdp2.replica_optim: its .grad is this rank's piece "
+        "and only the ReplicaShardedOptimizer holding it steps it. Put every parameter of "
+        "that module in the one ReplicaShardedOptimizer (docs/parallelism.md)"
     )
 
 

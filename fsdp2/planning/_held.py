@@ -1,8 +1,8 @@
 """What a rank holds, counted for :func:`fsdp2.estimate_memory`: its shards' bytes, and the
 parameters registered by more than one module (tied embeddings), which ``to_empty`` unties;
 and the optimizer of ``estimate_memory(..., shard_over_replicas=True)``, whose gradients are
-held in pieces over HSDP's replicas (``FSDPParam.piece_grad``, [Note: pieces] in
-fsdp2/_core/pieces.py) rather than as ``.grad``."""
+held in pieces over HSDP's replicas (each ``.grad`` a ``PieceGrad`` whose local tensor is
+the piece, [Note: pieces as .grad] in fsdp2/_core/piece_grad.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-
-from fsdp2._core.unsharded import sharded_owners
 
 
 def over_replicas(
@@ -35,13 +33,6 @@ def over_replicas(
     return wrapped
 
 
-def pieced(model: nn.Module) -> list[Any]:
-    """The ``FSDPParam``s of ``model`` whose gradients are held in pieces over the replicas."""
-    owners = sharded_owners()
-    found = (owners.get(id(p)) for p in model.parameters())
-    return [o[1] for o in found if o is not None and o[0].reduce.replica_shard]
-
-
 def held(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
     """The bytes of this rank's shards of the parameters, their gradients (or pieces of them)
     and the optimizer state (``MemoryEstimate.held``); tied parameters once."""
@@ -51,11 +42,10 @@ def held(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
         return t.numel() * t.element_size()
 
     params = list({id(p): p for p in model.parameters()}.values())
-    pieces = [fp.piece_grad for fp in pieced(model) if fp.piece_grad is not None]
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return {
         "parameters": sum(local(p) for p in params),
-        "gradients": sum(local(g) for g in [p.grad for p in params if p.grad is not None] + pieces),
+        "gradients": sum(local(p.grad) for p in params if p.grad is not None),  # pieces too
         # a 0-dim step counter is state too, but a few bytes per parameter tensor
         "optimizer state": sum(local(v) for v in state),
     }

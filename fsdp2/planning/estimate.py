@@ -278,7 +278,6 @@ def _simulate(
         params = [p for p in model.parameters() if p.requires_grad]
         tracker.params = params
         opt = optimizer(params)
-        tracker.pieced = _held.pieced(model)  # shard_over_replicas: gradients in pieces
         steps = 2  # the first builds the optimizer's state and learns the prefetch order
         for i in range(steps):
             if i == steps - 1:

@@ -6,8 +6,6 @@ regions, resizes and taken gradients tell it what each storage is for.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
@@ -41,8 +39,8 @@ PARTS = (
 # later, and move when they become known: a parameter's unsharded gradient (autograd
 # allocates it in the backward; it moves to "gradients (unsharded)" when the group's
 # post-backward hook takes it) and a reduce-scatter's output (moves to "gradients
-# (sharded)" once it is the sharded ``.grad``, or ``fsdp2.replica_optim``'s gradient pieces,
-# ``FSDPParam.piece_grad``). What exists when the measured step starts is sorted by
+# (sharded)" once it is the sharded ``.grad``, ``fsdp2.replica_optim``'s gradient pieces
+# included). What exists when the measured step starts is sorted by
 # identity: the sharded parameters, gradients, the optimizer's state; buffers are "other".
 #
 # The simulated rank is rank 0, whose shards are the largest (dim-0 shards are
@@ -74,7 +72,6 @@ class Tracker(TorchDispatchMode, Observer):
         self.hooks: list[str] = []
         self.unsharded: dict[int, str] = {}  # id(unsharded storage) -> group path, while alive
         self.params: list[nn.Parameter] = []
-        self.pieced: list[Any] = []  # FSDPParams whose gradients are pieces (piece_grad)
         # where -> the parts at the most live bytes seen there (``moments=True``), else None
         self.moments: dict[str, dict[str, int]] | None = None
         self.moment_unsharded: dict[str, tuple[str, ...]] = {}  # where -> groups gathered then
@@ -222,9 +219,6 @@ class Tracker(TorchDispatchMode, Observer):
         for p in self.params:
             if p.grad is not None:
                 self.track(p.grad, "gradients (sharded)", move=True)
-        for fp in self.pieced:  # fsdp2.replica_optim's: a reduce-scatter's output, landed
-            if fp.piece_grad is not None:
-                self.track(fp.piece_grad, "gradients (sharded)", move=True)
 
     # -- every operator
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -246,9 +240,6 @@ def sort_persistent(tracker: Tracker, model: nn.Module, opt: torch.optim.Optimiz
         tracker.track(p, "parameters (sharded)", move=True)
         if p.grad is not None:
             tracker.track(p.grad, "gradients (sharded)", move=True)
-    for fp in tracker.pieced:
-        if fp.piece_grad is not None:
-            tracker.track(fp.piece_grad, "gradients (sharded)", move=True)
     for b in model.buffers():
         tracker.track(b, "other", move=True)
     for state in opt.state.values():

@@ -32,6 +32,7 @@ LAYERS = [
     ["step", "relayout", "higher_order"],
     ["slot"],
     ["reduce"],
+    ["piece_grad"],
     ["pieces"],
     ["group"],
     ["layout", "small_shard"],

@@ -133,9 +133,11 @@ def _mean(x: float) -> float:
 
 def _same(a: Any, b: Any, what: str, bitwise: bool = True) -> None:
     if not bitwise:
+        # Adagrad's first step moves an element by about lr * g / |g|: where g is near 0,
+        # a rounding of the sum's order moves it by up to a few 1e-6 (seen on some CPUs)
         torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-6, msg=what)
         for k, v in b[1].items():
-            torch.testing.assert_close(a[1][k], v, rtol=1e-5, atol=1e-6, msg=f"{what}: {k}")
+            torch.testing.assert_close(a[1][k], v, rtol=1e-5, atol=1e-5, msg=f"{what}: {k}")
         return
     assert a[0] == b[0], f"{what}: losses {a[0]} vs {b[0]}"
     for k, v in b[1].items():
