@@ -98,23 +98,27 @@ class ReplicaShardedOptimizer(torch.optim.Optimizer):
     (see the module's docs). Build it with :func:`shard_over_replicas`.
 
     ``param_groups`` are the wrapped optimizer's (the model's sharded parameters and their
-    hyperparameters: LR schedulers work as usual); ``state[p]`` holds ``p``'s pieces.
+    hyperparameters), the same list: an LR scheduler built on either optimizer (a framework
+    builds its scheduler on the optimizer it made, before the wrap) sets this one's learning
+    rates; ``state[p]`` holds ``p``'s pieces.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, elementwise: bool = False) -> None:
         _check_elementwise(optimizer, elementwise)
         self._inner: torch.optim.Optimizer | None = None
+        self._wrapped: torch.optim.Optimizer | None = None
         self._slots: list[Slot] = []
         self._owners = sharded_owners()
         setattr(self, REPLICA_MARK, True)
-        groups = [dict(g) for g in optimizer.param_groups]
-        super().__init__(groups, optimizer.defaults)
+        super().__init__(optimizer.param_groups, optimizer.defaults)  # the groups themselves
         self._cls = type(optimizer)
         _start_replica_sharding(self._slots)  # checks every group first, then switches them
         self._inner = self._build_inner()
         self._owners = {}
         if any(optimizer.state.values()):  # stepped already, or eager (Adagrad): cut it up
             self.load_state_dict(optimizer.state_dict())
+        self._wrapped = optimizer
+        optimizer.param_groups = self.param_groups  # one list from here on (load_state_dict)
 
     # ---- construction -------------------------------------------------------------
 
@@ -184,6 +188,8 @@ class ReplicaShardedOptimizer(torch.optim.Optimizer):
                 finish_gather(*previous)
             del previous
         self._mirror_state()
+        if self._wrapped is not None:  # what torch's LR schedulers built on it check
+            self._wrapped._opt_called = True  # type: ignore[attr-defined]
         return loss
 
     def piece_grads(self) -> list[torch.Tensor]:
@@ -258,6 +264,8 @@ class ReplicaShardedOptimizer(torch.optim.Optimizer):
                 inner.state[slot.piece] = {k: piece_of(slot, k, v) for k, v in st.items()}
         _sync_hyperparameters(self.param_groups, inner.param_groups)
         self._mirror_state()
+        if self._wrapped is not None:  # it replaced the groups: the wrapped optimizer's too
+            self._wrapped.param_groups = self.param_groups
 
 
 # ---- helpers -------------------------------------------------------------------------

@@ -19,6 +19,7 @@ numbers, never a silent 0 ([Note: pieces as .grad] in fsdp2/_core/piece_grad.py)
 from __future__ import annotations
 
 import io
+import warnings
 from typing import Any
 
 import pytest
@@ -188,3 +189,28 @@ def test_grad_scaler_skips_an_overflowing_step_on_every_rank(scaler_kind: str) -
         assert a["scales"] == b["scales"] == c["scales"] == [1024.0, 512.0, 512.0], (rank, a, c)
         _close(a["params"], b["params"], f"rank {rank}: vs plain HSDP", bitwise=True)
         _close(a["params"], c["params"], f"rank {rank}: vs torch's HSDP")
+
+
+def _scheduler_built_before_the_wrap() -> list[float]:
+    """A framework builds its LR scheduler on the optimizer it made, then the wrap: the
+    scheduler drives the wrapper's learning rates, also after a ``load_state_dict``."""
+    model, raw = _pair()
+    sched = torch.optim.lr_scheduler.StepLR(raw, step_size=1, gamma=0.5)
+    opt = shard_over_replicas(raw)
+    lrs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
+        for step in range(3):
+            _backward(model, step)
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            if step == 1:
+                opt.load_state_dict(opt.state_dict())
+            lrs.append(opt.param_groups[0]["lr"])
+    return lrs
+
+
+def test_a_scheduler_built_on_the_wrapped_optimizer_drives_it() -> None:
+    lrs = run_on_ranks(4, _scheduler_built_before_the_wrap)[0]
+    assert lrs == [5e-3, 2.5e-3, 1.25e-3], lrs
