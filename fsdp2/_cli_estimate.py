@@ -17,6 +17,8 @@ import json
 import logging
 import os
 import re
+import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -288,6 +290,8 @@ def _simulate(
     import torch
 
     import fsdp2
+    from fsdp2.planning import _experts
+    from fsdp2.planning._optimizers import muon_and_adamw, states_in
 
     vocab = int(getattr(config, "vocab_size", 0) or 0)
     if vocab < 1:
@@ -307,9 +311,9 @@ def _simulate(
     if args.optimizer == "muon":
         if state_dtype not in (None, dtype):
             raise _InputError("--optim-dtype applies to adamw, adam and sgd, not muon")
-        optimizer: Any = _muon_and_adamw(model)
+        optimizer: Any = muon_and_adamw(model)
     elif state_dtype not in (None, dtype):
-        optimizer = _states_in(args.optimizer, state_dtype, args.shard_over_replicas)
+        optimizer = states_in(args.optimizer, state_dtype, args.shard_over_replicas)
     else:
         optimizer = args.optimizer
     try:
@@ -322,6 +326,10 @@ def _simulate(
                 reshard_after_forward=args.reshard_after_forward,
                 mp_policy=mp,
                 offload_policy=fsdp2.CPUOffloadPolicy() if args.offload else None,
+                # --experts-dim: see [Note: expert placement] in fsdp2/planning/_experts.py
+                shard_placement_fn={"auto": "auto", "0": None, "1": _experts.on_dim1}[
+                    args.experts_dim
+                ],
                 optimizer=optimizer,
                 step_fn=(lambda m, b: m(*b)) if own else None,  # Llama(tokens, targets) -> loss
                 compare=False,
@@ -336,82 +344,31 @@ def _simulate(
     return replace(est, settings=f"{est.settings}, {what}")
 
 
-def _states_in(kind: str, dtype: Any, over_replicas: bool = False) -> Any:
-    """An optimizer that keeps ``kind``'s state (AdamW's and Adam's two moments, SGD's
-    momentum) in ``dtype`` whatever the parameters' dtype: what the estimate needs of
-    ``--optim-dtype`` (fp32 moments of bf16 parameters, as torchao's and Megatron's
-    optimizers keep them). Its step only writes the state (the update's bytes are the
-    parameters'). ``over_replicas``: wrapped by ``shard_over_replicas`` (it is elementwise)."""
-    import torch
+@contextlib.contextmanager
+def _experts_warnings(experts_dim: str, shape: tuple[int, ...], said: set[str]) -> Iterator[None]:
+    """Prints the estimate's warnings that its model holds stacked experts padded, worded for
+    the command, once each ([Note: expert placement] in fsdp2/planning/_experts.py); other
+    warnings are shown as they came."""
+    from fsdp2.planning._experts import PaddedExperts, message
 
-    if kind == "sgd":  # plain SGD keeps no state
-        return kind
-    moments = ("exp_avg", "exp_avg_sq")  # adamw, adam
-
-    class StatesIn(torch.optim.Optimizer):
-        def __init__(self, params: list[Any]) -> None:
-            super().__init__(params, {})
-
-        @torch.no_grad()
-        def step(self, closure: Any = None) -> None:  # type: ignore[override]
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is None:
-                        continue
-                    state = self.state[p]
-                    for name in moments:
-                        if name not in state:
-                            state[name] = torch.zeros_like(p, dtype=dtype)
-                        state[name].add_(p.grad.to(dtype))
-
-    if not over_replicas:
-        return StatesIn
-    from fsdp2.replica_optim import shard_over_replicas
-
-    return lambda params: shard_over_replicas(StatesIn(params), elementwise=True)
-
-
-def _muon_and_adamw(model: Any) -> Any:
-    """``estimate_memory``'s optimizer for ``--optimizer muon``: ``fsdp2.optim.Muon`` on the
-    hidden matrices and AdamW on the rest (embeddings, the output head, norms, biases), as
-    ``muon_param_groups`` splits them and a Muon training script steps them."""
-    import torch
-
-    from fsdp2.optim import Muon, muon_param_groups
-
-    muon_groups, _ = muon_param_groups(model)
-    muon_ids = {id(p) for p in muon_groups[0]["params"]}
-    # estimate_memory builds the optimizer from its own copy's trainable parameters, in
-    # model.parameters() order: which of them are Muon's is read off the original's order.
-    is_muon = [id(p) in muon_ids for p in model.parameters() if p.requires_grad]
-
-    class MuonAndAdamW(torch.optim.Optimizer):
-        """Two optimizers stepped as one (estimate_memory steps one); ``state`` holds
-        both's, which is where the estimate finds the optimizer state."""
-
-        def __init__(self, params: list[Any]) -> None:
-            if len(params) != len(is_muon):
-                raise ValueError("--optimizer muon: the model's parameters changed")
-            muon = [p for p, m in zip(params, is_muon, strict=True) if m]
-            adamw = [p for p, m in zip(params, is_muon, strict=True) if not m]
-            super().__init__([{"params": muon}, {"params": adamw}], {})
-            self.parts: list[torch.optim.Optimizer] = []
-            if muon:
-                self.parts.append(Muon(muon))
-            if adamw:
-                self.parts.append(torch.optim.AdamW(adamw))
-
-        def step(self, closure: Any = None) -> None:  # type: ignore[override]
-            for opt in self.parts:
-                opt.step()
-            for opt in self.parts:
-                self.state.update(opt.state)
-
-        def zero_grad(self, set_to_none: bool = True) -> None:
-            for opt in self.parts:
-                opt.zero_grad(set_to_none=set_to_none)
-
-    return MuonAndAdamW
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", PaddedExperts)
+        yield
+    fix = (
+        "--experts-dim auto (the default) shards them on dim 1, as torchtitan does."
+        if experts_dim == "0"
+        else "Their dim 1 does not divide evenly over the shard ranks, so --experts-dim auto "
+        "kept dim 0: pick a world size, or an HSDP --mesh RxS, whose shard size divides it."
+    )
+    for w in caught:
+        if not isinstance(w.message, PaddedExperts):
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+            continue
+        text = f"fsdp2 estimate: warning: mesh {'x'.join(map(str, shape))}: "
+        text += message(w.message.found, fix)
+        if text not in said:
+            said.add(text)
+            print(text, file=sys.stderr)
 
 
 def _gib(n: int) -> str:
@@ -462,8 +419,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     over = args.shard_over_replicas  # a sweep shows each HSDP mesh without it and with it
     runs = [(s, p) for s in shapes for p in ((False, True) if over and args.sweep else (over,))]
     runs = [(s, p) for s, p in runs if len(s) == 2 or not p]
-    results = [_estimate(argparse.Namespace(**{**vars(args), "shard_over_replicas": p}), config, s)
-               for s, p in runs]  # fmt: skip
+    results, said = [], set[str]()
+    for shape, pieces in runs:
+        with _experts_warnings(args.experts_dim, shape, said):
+            run = argparse.Namespace(**{**vars(args), "shard_over_replicas": pieces})
+            results.append(_estimate(run, config, shape))
     if args.plot:
         title = f"{_name(config)}, {args.batch} x {args.seq} tokens per rank, {args.optimizer}"
         plot(args.plot, title, results, budget)

@@ -108,6 +108,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="{true,false}",
         help="fully_shard's reshard_after_forward for every block (default: fsdp2's)",
     )
+    est.add_argument(
+        "--experts-dim",
+        choices=("auto", "0", "1"),
+        default="auto",
+        help="the dim a mixture of experts' stacked 3-D parameters shard on: auto (default) "
+        "dim 1 when the experts are fewer than the shard ranks, as torchtitan does, else 0",
+    )
     est.add_argument("--offload", action="store_true", help="CPUOffloadPolicy()")
     est.add_argument(
         "--shard-over-replicas",

@@ -23,23 +23,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-
-# Registers torch's "fake" process-group backend. `torch._dynamo` imports it too, which is
-# how it used to be there; since `import fsdp2` no longer imports dynamo, a fresh script
-# that only calls estimate_memory needs this import of its own.
-import torch.testing._internal.distributed.fake_pg  # noqa: F401
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils._pytree import tree_map
 
 from fsdp2._core.debug import is_debug, set_debug
 from fsdp2._core.observe import HUB
 from fsdp2._core.seam import compute_device
 from fsdp2._core.sharding import FSDPModule, fully_shard
 from fsdp2.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from fsdp2.planning import _held
+from fsdp2.planning import _experts, _fake, _held
 from fsdp2.planning.stage import stage_step
 from fsdp2.planning.tracker import PARTS, Tracker, sort_persistent
 
@@ -193,35 +186,6 @@ def _select_blocks(
     )
 
 
-def _mesh(device: str, shape: tuple[int, ...]) -> DeviceMesh:
-    ranks = torch.arange(math.prod(shape)).view(shape)
-    names = ("dp_shard",) if len(shape) == 1 else ("dp_replicate", "dp_shard")
-    return DeviceMesh(device, ranks, mesh_dim_names=names)
-
-
-@contextmanager
-def _fake_world(world_size: int) -> Iterator[None]:
-    if dist.is_initialized():
-        backend = dist.get_backend()
-        if backend != "fake" or dist.get_world_size() != world_size or dist.get_rank() != 0:
-            raise RuntimeError(
-                "estimate_memory simulates rank 0 of a fake process group of "
-                f"{world_size} ranks and sets it up itself, but a process group "
-                f"({backend}, {dist.get_world_size()} ranks) is already initialized: call "
-                "it before init_process_group (e.g. in a planning script), or initialize "
-                f'init_process_group("fake", store=dist.HashStore(), rank=0, '
-                f"world_size={world_size}) yourself"
-            )
-        yield
-        return
-    store = dist.HashStore()  # type: ignore[attr-defined]
-    dist.init_process_group("fake", store=store, rank=0, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @contextmanager
 def _watching(tracker: Tracker) -> Iterator[None]:
     was_debug = is_debug()
@@ -231,15 +195,6 @@ def _watching(tracker: Tracker) -> Iterator[None]:
             yield
     finally:
         set_debug(was_debug)
-
-
-def _fake_batch(batch: Any, device: torch.device) -> Any:
-    def fake(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return torch.empty(x.shape, dtype=x.dtype, device=device)
-        return x
-
-    return tree_map(fake, batch)
 
 
 def _checked(loss: Any) -> torch.Tensor:
@@ -261,6 +216,7 @@ def _simulate(
     settings: str,
     pipeline: tuple[int, int] | None = None,
     moments: bool = False,
+    fix: str = "",
 ) -> MemoryEstimate:
     device = torch.device(mesh.device_type)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -269,6 +225,9 @@ def _simulate(
         tracker.moments = {}
     with fake_mode, _watching(tracker), tracker:
         model = build(mesh)
+        _experts.warn_padded(model, fix)  # see [Note: expert placement] in _experts.py
+        if _experts.any_on_dim1(model):
+            settings += ", experts sharded on dim 1"
         if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
             model.to_empty(device=compute_device(model) or device)  # built on meta
         if reshard is not None:  # every block's, not the root's
@@ -286,10 +245,10 @@ def _simulate(
             tracker.phase = tracker.where = "setup"
             dev = compute_device(model) or device
             if pipeline is not None:  # see [Note: pipeline stages] in planning/stage.py
-                make = functools.partial(_fake_batch, batch, dev)
+                make = functools.partial(_fake.batch, batch, dev)
                 stage_step(model, make, step_fn, *pipeline, tracker)
             else:
-                b = _fake_batch(batch, dev)
+                b = _fake.batch(batch, dev)
                 tracker.phase = "forward"
                 loss = _checked(step_fn(model, b))
                 tracker.phase = "backward"
@@ -329,6 +288,7 @@ def estimate_memory(
     reshard_after_forward: bool | int | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | str | None = "auto",
     optimizer: str | Callable[[list[nn.Parameter]], torch.optim.Optimizer] = "adamw",
     step_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     compare: bool = True,
@@ -369,6 +329,13 @@ def estimate_memory(
             every call (the root's ``reshard_after_forward`` stays ``None``: it keeps its
             parameters after the forward). With ``build``, ``reshard_after_forward`` is
             applied with ``set_reshard_after_forward`` to every module but the root.
+        shard_placement_fn: ``fully_shard``'s for every call (``None``: every parameter on
+            dim 0). ``"auto"`` (default): as torchtitan shards a mixture of experts' stacked
+            3-D parameters, on dim 1 when dim 0 (the experts) is smaller than the shard size
+            and dim 1 divides evenly over it, else on dim 0 ([Note: expert placement] in
+            fsdp2/planning/_experts.py). A sharded model (``build``'s too) that still holds
+            3-D parameters on dim 0 with fewer rows than shard ranks (most ranks hold
+            padding) warns (``UserWarning``), saying what shards them on dim 1.
         optimizer: ``"adamw"`` (default), ``"adam"``, ``"sgd"``, ``"sgd_momentum"``, or a
             function ``params -> Optimizer``.
         step_fn: ``(model, batch) -> loss``. Default: call the model on the batch and take
@@ -398,7 +365,8 @@ def estimate_memory(
     Raises:
         ValueError: a bad ``mesh_shape`` (a 1D one with ``shard_over_replicas``), an unknown
             optimizer, or an already sharded model (pass a ``build(mesh)`` function instead).
-        TypeError: ``shard_over_replicas`` with an optimizer that is not elementwise.
+        TypeError: ``shard_over_replicas`` with an optimizer that is not elementwise; a
+            ``shard_placement_fn`` that is no function, ``None`` or ``"auto"``.
         RuntimeError: a process group other than a fake one of the same size is already
             initialized.
     """
@@ -420,6 +388,7 @@ def estimate_memory(
             "reshard_after_forward": reshard_after_forward,
             "mp_policy": mp_policy,
             "offload_policy": offload_policy,
+            "shard_placement_fn": None if shard_placement_fn == "auto" else shard_placement_fn,
         }
         if any(v is not None for v in given.values()):
             names = ", ".join(k for k, v in given.items() if v is not None)
@@ -442,6 +411,11 @@ def estimate_memory(
             "communication buffers; kernels that differ by device, such as attention, "
             "may save different activations)"
         )
+    if not (shard_placement_fn in (None, "auto") or callable(shard_placement_fn)):
+        raise TypeError(
+            'estimate_memory: shard_placement_fn must be a function, None or "auto", got '
+            f"{shard_placement_fn!r}"
+        )
     opt = _optimizer(optimizer)
     if shard_over_replicas:  # (a 1D mesh_shape: ValueError)
         opt = _held.over_replicas(opt, mesh_shape)
@@ -463,6 +437,11 @@ def estimate_memory(
             m = meta.to_empty(device=dev)
             _held.retie(ties)  # tied parameters stay one parameter, as training keeps them
             kw: dict[str, Any] = {"mesh": mesh, "mp_policy": mp, "offload_policy": off}
+            kw["shard_placement_fn"] = (
+                _experts.auto(mesh.shape[-1])
+                if shard_placement_fn == "auto"
+                else shard_placement_fn
+            )
             for block in _select_blocks(m, shard):
                 fully_shard(block, reshard_after_forward=rshd, **kw)
             fully_shard(m, **kw)
@@ -491,9 +470,10 @@ def estimate_memory(
                 runs.append((builder(c, other), None, name))
     if shard_over_replicas:
         runs = [(b, r, f"{s}, shard_over_replicas") for b, r, s in runs]
-    with _fake_world(math.prod(shape)):
-        mesh = _mesh(dev, shape)
+    with _fake.world(math.prod(shape)):
+        mesh = _fake.mesh(dev, shape)
+        fix = _experts.fix_for(shard_placement_fn, not isinstance(model, nn.Module))
         results = [
-            _simulate(b, batch, step, opt, mesh, r, s, pipeline, moments) for b, r, s in runs
+            _simulate(b, batch, step, opt, mesh, r, s, pipeline, moments, fix) for b, r, s in runs
         ]
     return replace(results[0], alternatives=tuple(results[1:]))
