@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import functools
 import importlib
 import sys
@@ -11,12 +12,14 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 import fsdp2
-from fsdp2.integrations import pipelining
+from fsdp2.integrations import _frameworks, _modes, pipelining
+from fsdp2.integrations._modes import Modes
 
-__all__ = ["is_using_fsdp2", "restore_torch_fsdp", "use_fsdp2", "using_fsdp2"]
+__all__ = ["current_modes", "is_using_fsdp2", "restore_torch_fsdp", "use_fsdp2", "using_fsdp2"]
 
 # [Note: the switch]
 # Frameworks (accelerate, the HF Trainer, transformers, Lightning, torchtitan) import torch's
@@ -116,7 +119,11 @@ def _bridges(torch_objects: dict[str, Any]) -> dict[str, Any]:
                     "fsdp2.integrations.use_fsdp2() was called; one model cannot mix the two "
                     "engines. Call use_fsdp2() before the model (or the framework) is sharded"
                 )
-            return ours(module, *args, **kwargs)
+            out = ours(module, *args, **kwargs)
+            if _modes.current().on():  # [Note: modes in frameworks] in _modes.py
+                _modes.apply_to_model(module)
+                _frameworks.install()  # a framework imported since use_fsdp2 is here now
+            return out
 
         return bridge
 
@@ -237,7 +244,22 @@ def _names_in(mod_name: str) -> tuple[str, ...]:
 _SWITCH = _Switch()
 
 
-def use_fsdp2() -> None:
+class _Keep(enum.Enum):
+    """A mode ``use_fsdp2`` was not asked to change."""
+
+    KEEP = "keep"
+
+
+_KEEP = _Keep.KEEP
+
+
+def use_fsdp2(
+    *,
+    deterministic: bool | _Keep = _KEEP,
+    exchange_reduce: torch.dtype | None | _Keep = _KEEP,
+    shard_over_replicas: bool | _Keep = _KEEP,
+    elementwise: bool | _Keep = _KEEP,
+) -> None:
     """Make code written for torch's FSDP2 use fsdp2: point ``fully_shard``, ``FSDPModule``,
     ``register_fsdp_forward_method``, ``MixedPrecisionPolicy``, ``OffloadPolicy`` and
     ``CPUOffloadPolicy`` in torch's FSDP modules, ``replicate`` and ``ReplicateModule`` in
@@ -253,17 +275,54 @@ def use_fsdp2() -> None:
     wrapper around torch's engine: models sharded by the switched names are fsdp2's
     (``fsdp2.set_debug``, ``fsdp2.timeline``, bucketing and ``fsdp2.checkpoint`` apply).
 
+    The keywords turn on fsdp2's modes for the models the framework shards, through its own
+    loop (its optimizer, accumulation, clipping and checkpoints; docs/frameworks.md):
+
+    Args:
+        deterministic: ``fsdp2.reduction.set_deterministic`` on every module sharded; the
+            framework's clipping takes ``fsdp2.reduction.clip_grad_norm_`` (the same bits at
+            every world size), its accumulating micro-batches skip the reduction, and an
+            accumulation count or world size that is not a power of two raises
+            ``ValueError`` naming the setting, before any collective.
+        exchange_reduce: a wire dtype (``torch.bfloat16``, ``torch.float8_e4m3fn``, ...):
+            ``fsdp2.reduction.set_exchange_reduce`` on every module sharded; ``None`` turns
+            it off.
+        shard_over_replicas: the framework's optimizer wrapped by
+            ``fsdp2.replica_optim.shard_over_replicas`` once built (HSDP modules only).
+        elementwise: ``shard_over_replicas``'s argument of that name.
+
+    A keyword left out keeps its mode as it is (all off at first; :func:`current_modes`).
     Idempotent: a second call only catches modules imported since the first. Thread-safe
-    (one lock); undone by :func:`restore_torch_fsdp`. Importing fsdp2 changes nothing: only
-    this call does.
+    (one lock); undone by :func:`restore_torch_fsdp` (modes included). Importing fsdp2
+    changes nothing: only this call does.
 
     Raises:
         RuntimeError: torch's FSDP modules lack one of the names, or already hold fsdp2's
             objects put there by hand. Sharding (with the switched ``fully_shard``) a model
             part of which torch's ``fully_shard`` sharded before the call raises too.
+        ValueError: modes fsdp2 cannot combine (``deterministic`` with ``exchange_reduce``
+            or ``shard_over_replicas``), or an unknown wire dtype; nothing changes then.
     """
+    changes = {
+        k: v
+        for k, v in (
+            ("deterministic", deterministic),
+            ("exchange_reduce", exchange_reduce),
+            ("shard_over_replicas", shard_over_replicas),
+            ("elementwise", elementwise),
+        )
+        if v is not _KEEP
+    }
     with _SWITCH.lock:
+        _modes.set_modes(**changes)
         _SWITCH.turn_on()
+        _frameworks.install()
+
+
+def current_modes() -> Modes:
+    """The modes :func:`use_fsdp2` turned on (a frozen ``Modes``: ``deterministic``,
+    ``exchange_reduce``, ``shard_over_replicas``, ``elementwise``)."""
+    return _modes.current()
 
 
 def restore_torch_fsdp() -> None:
@@ -274,6 +333,8 @@ def restore_torch_fsdp() -> None:
     with _SWITCH.lock:
         if _SWITCH.active:
             _SWITCH.turn_off()
+        _modes.reset()
+        _frameworks.uninstall()
 
 
 def is_using_fsdp2() -> bool:
@@ -282,14 +343,20 @@ def is_using_fsdp2() -> bool:
 
 
 @contextmanager
-def using_fsdp2() -> Iterator[None]:
-    """``with using_fsdp2(): ...``: :func:`use_fsdp2` for the block, undone at its end
-    unless the switch was already on when the block began (nesting is safe)."""
+def using_fsdp2(**modes: Any) -> Iterator[None]:
+    """``with using_fsdp2(): ...``: :func:`use_fsdp2` (with the same keywords) for the
+    block, undone at its end unless the switch was already on when the block began (the
+    modes are put back as they were then; nesting is safe)."""
     with _SWITCH.lock:
-        was_on = _SWITCH.active
-        _SWITCH.turn_on()
+        was_on, before = _SWITCH.active, _modes.current()
+        use_fsdp2(**modes)
     try:
         yield
     finally:
         if not was_on:
             restore_torch_fsdp()
+        else:
+            with _SWITCH.lock:
+                _modes.set_modes(**vars(before))
+                if not before.on():
+                    _frameworks.uninstall()
