@@ -37,6 +37,7 @@ PAGES = (
     os.path.join(ROOT, "docs", "mixed_precision.md"),
     os.path.join(ROOT, "docs", "reproducibility.md"),
     os.path.join(ROOT, "docs", "replica_optim.md"),
+    os.path.join(ROOT, "docs", "frameworks.md"),
 )
 BIN = os.path.dirname(sys.executable)
 TIMEOUT_S = 300
@@ -53,6 +54,7 @@ DONE = {
     "examples/low_precision_wire.py": "the bf16 wire trained like the fp32 reduce-scatter",
     "examples/reproducible.py": "2 ranks and 1 rank trained to the same bits",
     "examples/replica_optim.py": "the optimizer sharded over the replicas trained like plain HSDP",
+    "examples/framework_modes.py": "trained with --mode",
 }
 
 
