@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-from fsdp2._core.piece_grad import PieceGrad, flat_mesh
+from fsdp2._core.piece_grad import PieceGrad, flatten_mesh
 from fsdp2._core.piece_state import Slot, clip_slots, like, piece_of, whole_state
 from fsdp2._core.pieces import finish_gather, gather_pieces
 from fsdp2._core.unsharded import REPLICA_MARK, sharded_of, sharded_owners, track
@@ -310,8 +310,8 @@ def _start_replica_sharding(slots: list[Slot]) -> None:
                 )
     for g in groups.values():
         if not g.reduce.replica_shard:
-            for fp in g.params:  # where the pieces' .grad lives (collective: every rank)
-                flat_mesh(fp)
+            for fp in g.params:  # one reduction of the pieces' norms (collective: every rank)
+                flatten_mesh(fp)
             g.update(reduce={"replica_shard": True})
             track(g)
 

@@ -9,14 +9,15 @@
 # checks, ``zero_grad``. A ``.grad`` left ``None`` would let each of them read nothing and
 # go on (a norm of 0, no clipping, an overflow not seen: silently wrong). So the piece is the
 # ``.grad``: a ``PieceGrad``, a DTensor whose local tensor IS the piece (no copy, 1/R of the
-# shard's gradient) on the parameter's mesh flattened to one dim (``Shard(0)``: every rank
-# holds a different part). What those tools do is exact on it:
+# shard's gradient) on the parameter's mesh, sharded on every mesh dim (``Shard(0)`` where
+# the parameter is replicated: every rank holds different elements). What those tools do
+# is exact on it:
 # * elementwise ops (``mul_`` by the clip coefficient, ``clamp_``, unscaling, ``zero_``,
 #   ``abs``, ``isfinite``, casts, ``zeros_like``...) run on the local pieces: each element of
 #   the whole gradient is on exactly one rank;
 # * reductions of the whole tensor (``norm``, ``sum``, ``max``, ``_foreach_norm``...) give a
-#   DTensor partial over every rank of the mesh, which DTensor reduces over all of them
-#   (one collective on the flattened mesh);
+#   DTensor partial over every mesh dim, which DTensor reduces over all of them (one
+#   collective, through the mesh's flattened dim that replica sharding creates);
 # * ``_amp_foreach_non_finite_check_and_unscale_``: DTensor takes the max of the found-inf
 #   flags over every rank of the mesh, so every rank skips the step together.
 # Anything that would need the gradient in its real layout (a view or reshape, a reduction
@@ -32,7 +33,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._python_dispatch import _disable_current_modes
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PieceGrad",
-    "flat_mesh",
+    "flatten_mesh",
     "land_pieces",
     "piece_grad_of",
     "piece_spec",
@@ -158,7 +158,7 @@ def _as_piece(t: Any, owner: tuple[ParamGroup, FSDPParam] | None) -> Any:
     if owner is None or type(t) is not DTensor:
         return t
     spec = t._spec
-    if spec.placements != (Shard(0),) or spec.mesh is not flat_mesh(owner[1]):
+    if spec != piece_spec(owner[1], t.dtype):
         return t  # a reduction's partial result, a replicated scalar
     out = PieceGrad(t._local_tensor, spec, requires_grad=False)
     out._fsdp2_owner = owner
@@ -254,27 +254,29 @@ def _refuse(piece: PieceGrad, func: Any, what: str) -> None:
     )
 
 
-def flat_mesh(fp: FSDPParam) -> DeviceMesh:
-    """``fp``'s mesh flattened to one dim (its own if 1D or unnamed): where its pieces
-    live. Flattening is collective: ``fsdp2.replica_optim`` does it on every rank when it
-    starts replica sharding (``piece_spec``)."""
+def flatten_mesh(fp: FSDPParam) -> None:
+    """Give ``fp``'s mesh a flattened dim of all its dims (when its dims are named), so
+    that DTensor reduces a ``PieceGrad``'s partial results over every rank in one
+    collective (two in a row, and torch's warning about them, otherwise). Collective:
+    ``fsdp2.replica_optim`` calls it on every rank when it starts replica sharding."""
     assert fp.spec is not None
     mesh = fp.spec.mesh
     if mesh.ndim == 1 or not mesh.mesh_dim_names:
-        return mesh
+        return
     cache = mesh_cache(mesh)
     if cache.flat is None:
         with _disable_current_modes():  # fsdp2.estimate_memory's fake tensors: real ranks
             cache.flat = mesh._flatten()
-    return cache.flat
 
 
 def piece_spec(fp: FSDPParam, dtype: torch.dtype) -> DTensorSpec:
-    """The spec of ``fp``'s ``PieceGrad`` (of ``dtype``): its shape and strides, on the
-    flattened mesh, ``Shard(0)`` ([Note: pieces as .grad])."""
-    mesh = flat_mesh(fp)
+    """The spec of ``fp``'s ``PieceGrad`` (of ``dtype``): its shape and strides, on its
+    parameter's mesh, sharded on every mesh dim (the replicate dims too: every rank holds
+    different elements), as ``Shard(0)`` where the parameter is replicated
+    ([Note: pieces as .grad])."""
     assert fp.spec is not None
-    placements = (Shard(0),) * mesh.ndim
+    mesh = fp.spec.mesh
+    placements = tuple(Shard(0) if p.is_replicate() else p for p in fp.spec.placements)
     key = ("piece", placements, tuple(fp.spec.shape), dtype)
     cache = mesh_cache(mesh).specs
     spec = cache.get(key)
