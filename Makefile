@@ -30,7 +30,8 @@ COMPAT_TESTS ?= tests/core/test_parity.py tests/core/test_mixed_precision.py \
 	tests/checkpoint/test_full_checkpoint_*.py tests/integrations/test_compile.py \
 	tests/integrations/test_torchao.py::test_float8_llama_parity \
 	tests/core/test_registration.py tests/integrations/test_pipelining.py \
-	tests/core/test_reduction.py tests/core/test_deterministic.py tests/core/test_replica_optim.py
+	tests/core/test_reduction.py tests/core/test_deterministic.py tests/core/test_replica_optim.py \
+	tests/core/test_saved_tensors_hooks.py tests/core/test_replica_grads.py
 
 # `make gpu-check`: on a GPU machine with its own torch (no venv there: python3), or on the
 # CPU with DEVICE=cpu (CI); results in $(OUT)/gpu-check.md (benchmarks/gpu_check.py).

@@ -23,7 +23,11 @@ above (reduce.py, driven by the step layer).
 # its own) of every trainable parameter that nothing holds but its Python object and its
 # gradient accumulator: no autograd node saved it, no view or alias of its storage is
 # alive (``Tensor._use_count`` and the storage's use count against what the group itself
-# holds, measured when the buffers were built). AccumulateGrad only writes ``.grad``, so
+# holds, measured when the buffers were built), and no Python object refers to it but the
+# group's (``sys.getrefcount``, ``GroupLayout.only_ours``): saved-tensor hooks (activation
+# offloading: torch hands the pack hook the parameter itself, an identity hook keeps it)
+# and a ``ctx.w = w`` hold the Python object, which no use count sees; freed, it crashed
+# the backward that read it. AccumulateGrad only writes ``.grad``, so
 # the gradient still arrives. Meanwhile the module holds the sharded parameter, as after
 # any reshard. A forward of a module owning a released parameter (an activation-checkpoint
 # recompute) gathers it again first: a forward pre-hook on each owner, registered when the
@@ -66,7 +70,7 @@ from torch._compile import _disable_dynamo
 from fsdp2._core.collectives import DividePlan, Into, all_gather, divide_plan
 from fsdp2._core.gloo import Received, is_gloo
 from fsdp2._core.labels import label
-from fsdp2._core.layout import GroupLayout, holders
+from fsdp2._core.layout import GroupLayout
 from fsdp2._core.mesh import MeshInfo
 from fsdp2._core.param import FSDPParam
 from fsdp2._core.settings import GatherSettings, ReduceSettings
@@ -389,10 +393,9 @@ class ParamGroup(GroupLayout):
         for i, p in enumerate(self.flat_params):
             if not p.requires_grad or p.tp is not None or p.is_scalar or p.shard_dim != 0:
                 continue
-            b = self.unsharded_bufs[i]
-            if holders(b) != self._holders[i] or not _only_accumulator(p.unsharded):
+            if not self.only_ours(i):
                 continue
-            _free(b, self.path)
+            _free(self.unsharded_bufs[i], self.path)
             for m, n in p.owners:
                 m._parameters[n] = p.sharded  # type: ignore[assignment]  # a DTensor Parameter
                 owned.setdefault(id(m), (m, []))[1].append(i)
@@ -458,15 +461,3 @@ def _restore_hook(group: ParamGroup, idx: list[int]) -> Callable[..., None]:
 
     # run eagerly (a collective and storage moves), as every engine hook
     return cast(Callable[..., None], _disable_dynamo(hook))
-
-
-def _only_accumulator(t: torch.Tensor | None) -> bool:
-    """Whether nothing but its Python object and (if any) its gradient accumulator holds
-    the tensor ``t``: no autograd node saved it, no view of it is alive."""
-    if t is None:
-        return False
-    before = int(t._use_count())  # type: ignore[attr-defined]
-    edge = torch.autograd.graph.get_gradient_edge(t)  # made now if there was none
-    existed = int(t._use_count()) == before  # type: ignore[attr-defined]  # a new one holds t
-    del edge
-    return before == 1 + int(existed)

@@ -6,6 +6,8 @@ again when parameters change under it.
 
 from __future__ import annotations
 
+import sys
+from collections import Counter
 from typing import Any
 
 import torch
@@ -23,7 +25,7 @@ from fsdp2._core.transport import copy_out
 from fsdp2._core.unsharded import track
 from fsdp2.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-__all__ = ["GroupLayout", "group_dtype", "holders"]
+__all__ = ["GroupLayout", "group_dtype"]
 
 
 def group_dtype(params: list[FSDPParam], name: str) -> torch.dtype:
@@ -159,6 +161,8 @@ class GroupLayout:
             if p.unsharded is not None
             for m, n in p.owners
         ]
+        # how many registrations hold each unsharded parameter (see only_ours)
+        self._unsharded_reg_counts = Counter(id(t) for _, _, t in self._unsharded_regs)
         self.sharded_params = [p.sharded for p in self.params]
         track(self)  # see [Note: optimizers holding unsharded parameters]
         # trainable, and frozen since the last reduction (see relayout.sync_requires_grad)
@@ -316,6 +320,29 @@ class GroupLayout:
         self.sharded_flat = new
         self._init_unsharded(torch.device("meta") if new.is_meta else self.device)
 
+    def only_ours(self, i: int) -> bool:
+        """Whether nothing but this layout and (if any) its gradient accumulator holds flat
+        parameter ``i``'s unsharded buffer and parameter: no view or alias of the storage is
+        alive, no autograd node saved the tensor, and no Python object refers to it but
+        ``FSDPParam.unsharded`` and the registrations (not a saved-tensor hook's packed
+        value, nor a ``ctx`` attribute). See [Note: release] in group.py."""
+        p = self.flat_params[i]
+        if p.unsharded is None or holders(self.unsharded_bufs[i]) != self._holders[i]:
+            return False
+        # ``p.unsharded`` read each time, never kept in a local (one more reference)
+        before = int(p.unsharded._use_count())  # type: ignore[attr-defined]
+        edge = torch.autograd.graph.get_gradient_edge(p.unsharded)  # made now if none
+        existed = int(p.unsharded._use_count()) == before  # type: ignore[attr-defined]
+        del edge
+        if before != 1 + int(existed):  # an autograd node or a view holds the tensor
+            return False
+        u = id(p.unsharded)
+        ours = 1 + self._unsharded_reg_counts[u]
+        ours += sum(id(m._parameters.get(n)) == u for m, n in p.owners)
+        ours += _CPP_HOLD if before > 1 else 0
+        # sys.getrefcount's own references, measured on an object only _PROBE holds
+        return sys.getrefcount(p.unsharded) - sys.getrefcount(_PROBE.t) + 1 == ours
+
     def register_sharded(self) -> None:
         for d, n, t in self._sharded_regs:
             d[n] = t
@@ -390,6 +417,32 @@ class GroupLayout:
 def holders(t: torch.Tensor) -> int:
     """How many tensors hold ``t``'s storage (its use count)."""
     return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+
+
+class _Probe:
+    __slots__ = ("t",)  # read like ``FSDPParam.unsharded`` (a slot)
+
+    def __init__(self) -> None:
+        self.t = object()
+
+
+_PROBE = _Probe()
+
+
+def _cpp_hold() -> int:
+    """The Python references a tensor's object gains while C++ holds the tensor beyond the
+    object's own reference (its gradient accumulator, a view): 1 on torch releases whose
+    tensors keep their Python object alive from C++ (torch 2.13), else 0."""
+    with torch.inference_mode(False):  # a view holds its base (not in inference mode)
+        t = torch.empty(0)
+        alone = sys.getrefcount(t)
+        view = t.view(0)
+        held = sys.getrefcount(t) - alone
+        del view
+    return held
+
+
+_CPP_HOLD = _cpp_hold()
 
 
 def _forget_fake(*ts: torch.Tensor) -> None:
