@@ -19,10 +19,13 @@ script does, to both when it has a meaning for the replica:
   from each module's ``parameters()`` (a plain submodule of the root gives the registered
   tensors), at any point, right after a forward included; or wrapped with
   ``fsdp2.replica_optim.shard_over_replicas`` (the replicated groups then keep gradients and
-  momentum in pieces over the ranks: their gradients are not compared, their parameters and
-  the clipping norm are; a later plain optimizer over them is refused);
-* ``optimizer_step``, ``zero_grad`` (``set_to_none`` either way), ``clip_grad_norm_``
-  (``fsdp2.clip_grad_norm_`` against torch's on the replica; the norms compared);
+  momentum in pieces over the ranks, each piece the parameter's ``.grad``; a later plain
+  optimizer over them is refused);
+* ``optimizer_step`` (the optimizer's own, or a framework's ``GradScaler`` path:
+  ``unscale_``, ``step``, ``update``), ``zero_grad`` (``set_to_none`` either way),
+  ``clip_grad_norm_`` (``fsdp2.clip_grad_norm_``, ``torch.nn.utils.clip_grad_norm_`` as the
+  frameworks clip, or under the deterministic mode ``fsdp2.reduction.clip_grad_norm_``,
+  against torch's on the replica; the norms compared);
 * ``state_dict_round_trip``: ``load_state_dict(state_dict())``, in memory or through DCP;
 * ``unshard_reshard``: explicit ``unshard()`` / ``reshard()`` of the root or a block;
 * ``set_sync``: ``set_requires_gradient_sync(False/True)`` (no-sync micro-steps);
@@ -30,7 +33,12 @@ script does, to both when it has a meaning for the replica:
 * ``failing_forward``: a forward that raises inside a block, then ``reset_iter_state()``.
 
 The mixed-precision policy is drawn once per run: off, ``param_dtype=reduce_dtype=float64``
-or ``reduce_dtype=float64``. The wider dtype runs every mixed-precision path (casts before the
+or ``reduce_dtype=float64``; and the reduction mode: the default, the deterministic one
+(``fsdp2.reduction.set_deterministic``: a number of micro-batches per reduction that is not a
+power of two is its documented error, after which the step is reset on both sides) or the
+exchange (``set_exchange_reduce``, an fp32 wire: the comparison's tolerance is fp32's). Each
+``train`` draws the loss's scale (1 or 1/2, as a framework divides by its accumulation
+steps), the same on both sides. The wider dtype runs every mixed-precision path (casts before the
 all-gather and of the inputs, reduction in another dtype, no-sync sums kept in it) while
 keeping the comparison with the fp32 replica tight; bf16 numerics are the settings suite's
 (test_parity_property.py).
@@ -39,7 +47,8 @@ After every rule (``invariant``): every full parameter equals the replica's; out
 and backward ``model.parameters()`` gives sharded DTensors or, for a group that is not
 sharded, what torch's FSDP2 registers then (its unsharded parameters, or the parameters
 resharded to the smaller mesh); and, unless no-sync micro-steps
-are pending, every full gradient equals the replica's (both ``None`` or close). A rule that
+are pending, every full gradient equals the replica's (both ``None`` or close; a gradient
+held in pieces over the ranks by ``shard_over_replicas`` through its ``full_tensor()``). A rule that
 raises one of the documented errors (``EXPECTED``) must raise it on every rank; anything
 else is ``Unexpected`` and stops the run at once with the rules so far.
 
@@ -67,7 +76,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
 import fsdp2
-from fsdp2._core.unsharded import sharded_of, sharded_owners
+from fsdp2 import reduction
+from fsdp2._core.unsharded import sharded_of
 from fsdp2.replica_optim import shard_over_replicas
 
 IN, DIM, HIDDEN, OUT = 5, 6, 7, 3
@@ -90,8 +100,12 @@ EXPECTED = {
     # a plain optimizer over parameters whose gradients fsdp2.replica_optim keeps in pieces
     "optimizer_step_pieced": (RuntimeError, "sharded over the replicas"),
     # shard_over_replicas over some of a module's parameters, or over unsharded temporaries
+    # (or a deterministic model)
     "build_optimizer": (ValueError, "shard_over_replicas: "),
+    # the deterministic mode: a reduction of a number of micro-batches that is not 2**j
+    "deterministic": (RuntimeError, "power of two"),
 }
+MODES = ["default", "deterministic", "exchange"]
 
 
 class PlannedFailure(Exception):
@@ -170,6 +184,7 @@ class CallOrders(RuleBasedStateMachine):
         self.sync = True
         self.opt: torch.optim.Optimizer | None = None
         self.ref_opt: torch.optim.Optimizer | None = None
+        self.mode = "default"
 
     # ---- set-up ------------------------------------------------------------------------
 
@@ -179,6 +194,7 @@ class CallOrders(RuleBasedStateMachine):
         nested=st.booleans(),
         bucket=st.sampled_from([None, 1 << 20]),
         kinds=st.tuples(*(st.sampled_from(KINDS),) * 4),
+        mode=st.sampled_from(MODES),
     )
     def build(
         self,
@@ -187,10 +203,11 @@ class CallOrders(RuleBasedStateMachine):
         nested: bool,
         bucket: int | None,
         kinds: tuple[str, ...] = ("shard",) * 4,  # the regression replays' model
+        mode: str = "default",
     ) -> None:
         self._note(
             f"build(policy={policy}, reshard={reshard}, nested={nested}, bucket={bucket}, "
-            f"kinds={kinds})"
+            f"kinds={kinds}, mode={mode})"
         )
         torch.manual_seed(1234)
         self.ref = Net()
@@ -203,6 +220,17 @@ class CallOrders(RuleBasedStateMachine):
         self._apply(model, kinds[-1], mp)
         if bucket is not None:
             model.set_bucket_bytes(bucket)
+        if mode == "deterministic":
+            reduction.set_deterministic(model)
+        elif mode == "exchange":
+            try:
+                reduction.set_exchange_reduce(model, torch.float32)
+            except ValueError as e:  # documented: a call with several groups ("small")
+                if "parameter groups on different meshes" not in str(e):
+                    raise self._unexpected() from None
+                self.stats["exchange refused"] = self.stats.get("exchange refused", 0) + 1
+                mode = "default"
+        self.mode = mode
         self.model = model
         self.stats["runs"] = self.stats.get("runs", 0) + 1
 
@@ -246,25 +274,44 @@ class CallOrders(RuleBasedStateMachine):
     def _after_backward(self) -> None:
         self.unsynced = not self.sync
 
+    def _deterministic_refused(self, e: RuntimeError) -> bool:
+        """The deterministic mode's documented refusal (every rank raised it, before its
+        reduction): reset the step on both sides and go on; ``False`` for anything else."""
+        kind, text = EXPECTED["deterministic"]
+        if self.mode != "deterministic" or text not in str(e):
+            return False
+        self._check([])  # every rank is here
+        self.model.reset_iter_state()  # type: ignore[operator]
+        self.model.zero_grad(set_to_none=True)
+        self.ref.zero_grad(set_to_none=True)
+        self.pending = []
+        self.unsynced = False
+        self.stats["deterministic refused"] = self.stats.get("deterministic refused", 0) + 1
+        return True
+
     def _module(self, model: nn.Module, path: str) -> nn.Module:
         return model.get_submodule(path) if path else model
 
     # ---- rules -------------------------------------------------------------------------
 
-    @rule()
-    def train(self) -> None:
-        self._note(f"train() [sync={self.sync}]")
+    @rule(scale=st.sampled_from([1.0, 0.5]))
+    def train(self, scale: float = 1.0) -> None:
+        self._note(f"train(scale={scale}) [sync={self.sync}]")
         x, y = self._batch()
         errors: list[str] = []
         try:
             loss = _loss(self.model(self._mine(x)), self._mine(y))
             if loss.requires_grad:  # not with every parameter frozen
-                loss.backward()
+                (loss * scale).backward()
+        except RuntimeError as e:
+            if self._deterministic_refused(e):
+                return
+            raise self._unexpected() from None
         except Exception:
             raise self._unexpected() from None
         ref_loss = _loss(self.ref(x), y)
         if ref_loss.requires_grad:
-            ref_loss.backward()
+            (ref_loss * scale).backward()
         if loss.requires_grad != ref_loss.requires_grad:
             self._check(["the loss needs a gradient on one side only"])
         if loss.requires_grad:
@@ -311,6 +358,10 @@ class CallOrders(RuleBasedStateMachine):
         try:
             if ours:
                 sum(ours).backward(retain_graph=retain)  # type: ignore[union-attr]
+        except RuntimeError as e:
+            if self._deterministic_refused(e):
+                return
+            raise self._unexpected() from None
         except Exception:
             raise self._unexpected() from None
         if refs:
@@ -333,6 +384,10 @@ class CallOrders(RuleBasedStateMachine):
             (gx,) = torch.autograd.grad(loss, xs, create_graph=True)
             pen = gx.pow(2).sum() * (c / self.world)
             (pen if alone else loss + pen).backward()
+        except RuntimeError as e:
+            if self._deterministic_refused(e):
+                return
+            raise self._unexpected() from None
         except Exception:
             raise self._unexpected() from None
         xr = x.clone().requires_grad_(True)
@@ -388,15 +443,28 @@ class CallOrders(RuleBasedStateMachine):
         return all(sharded_of(p) is p for g in self.opt.param_groups for p in g["params"])
 
     @precondition(lambda self: self.opt is not None and not self.unsynced)
-    @rule()
-    def optimizer_step(self) -> None:
-        self._note("optimizer.step()")
+    @rule(scaler=st.booleans())
+    def optimizer_step(self, scaler: bool = False) -> None:
+        """The optimizer's own step, or a framework's ``GradScaler`` path (scale 1: the
+        numbers stay; its inf checks and unscaling run on every gradient kind)."""
         assert self.opt is not None and self.ref_opt is not None
+        # a GradScaler asserts that it saw a gradient: a framework steps after a backward
+        scaler = scaler and any(
+            p.grad is not None for g in self.opt.param_groups for p in g["params"]
+        )
+        self._note(f"optimizer.step(){' through a GradScaler' if scaler else ''}")
         self.pending = []  # the replica refuses a backward through parameters stepped since
         held = [p for g in self.opt.param_groups for p in g["params"]]
         plain = [p for p in held if sharded_of(p) is not p]  # registered temporaries
         try:
-            self.opt.step()
+            if scaler:
+                amp = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=1 << 30)
+                amp.scale(torch.ones(()))  # its scale, as the loss's scaling would make it
+                amp.unscale_(self.opt)
+                amp.step(self.opt)
+                amp.update()
+            else:
+                self.opt.step()
         except RuntimeError as e:
             kind, text = EXPECTED["optimizer_step"]
             pieced = EXPECTED["optimizer_step_pieced"][1] in str(e)
@@ -433,11 +501,24 @@ class CallOrders(RuleBasedStateMachine):
     # at any point: fsdp2's clip_grad_norm_ clips the sharded gradients of the groups that
     # register their unsharded parameters meanwhile
     @precondition(lambda self: not self.unsynced)
-    @rule(max_norm=st.sampled_from([0.05, 1.0, 100.0]))
-    def clip(self, max_norm: float) -> None:
-        self._note(f"clip_grad_norm_({max_norm})")
+    @rule(max_norm=st.sampled_from([0.05, 1.0, 100.0]), via=st.sampled_from(["fsdp2", "torch"]))
+    def clip(self, max_norm: float, via: str = "fsdp2") -> None:
+        """``fsdp2.clip_grad_norm_``, or torch's as the frameworks clip (the deterministic
+        mode's clipping for them: ``reduction.clip_grad_norm_``). torch's clips what
+        ``model.parameters()`` gives, which are a group's unsharded temporaries while it
+        registers them (documented): then fsdp2's."""
+        if via == "torch" and any(sharded_of(p) is not p for p in self.model.parameters()):
+            via = "fsdp2"
+        if via == "torch" and self.mode == "deterministic":
+            via = "reduction"
+        self._note(f"clip_grad_norm_({max_norm}) via {via}")
+        clip = {
+            "fsdp2": fsdp2.clip_grad_norm_,
+            "torch": torch.nn.utils.clip_grad_norm_,
+            "reduction": reduction.clip_grad_norm_,
+        }[via]
         try:
-            norm = fsdp2.clip_grad_norm_(self.model.parameters(), max_norm)
+            norm = clip(self.model.parameters(), max_norm)
         except Exception:
             raise self._unexpected() from None
         ref_norm = torch.nn.utils.clip_grad_norm_(self.ref.parameters(), max_norm)
@@ -522,10 +603,9 @@ class CallOrders(RuleBasedStateMachine):
         if list(params) != list(refs):
             errors.append(f"parameter names {list(params)} != the replica's {list(refs)}")
         self._check(errors)
-        pieced = _pieced()
         for name, p in params.items():
             _close(p.full_tensor(), refs[name], f"parameter {name}", errors)
-            if self.unsynced or id(p) in pieced:  # its gradient is in pieces over the ranks
+            if self.unsynced:
                 continue
             g, want = p.grad, refs[name].grad
             if (g is None) != (want is None):
@@ -540,11 +620,6 @@ class CallOrders(RuleBasedStateMachine):
         self.pending = []
         if hasattr(self, "model"):
             del self.model
-
-
-def _pieced() -> set[int]:
-    """The sharded parameters whose gradients fsdp2.replica_optim keeps in pieces."""
-    return {i for i, (g, _) in sharded_owners().items() if g.reduce.replica_shard}
 
 
 def _sharded_named(model: nn.Module, errors: list[str]) -> dict[str, DTensor]:
