@@ -64,6 +64,10 @@ config = LlamaConfig(
 model = AutoModelForCausalLM.from_config(config)
 optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
 model, optim = accelerator.prepare(model, optim)
+if args.mode == "shard_over_replicas":  # the optimizer accelerate prepared, wrapped by fsdp2
+    from fsdp2.replica_optim import ReplicaShardedOptimizer
+
+    assert isinstance(optim.optimizer, ReplicaShardedOptimizer), type(optim.optimizer)
 
 rank = state.process_index
 for step in range(args.steps):

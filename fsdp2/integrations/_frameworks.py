@@ -8,6 +8,7 @@ only while a mode is on; a framework this table does not know is untouched.
 from __future__ import annotations
 
 import functools
+import importlib.abc
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -60,6 +61,17 @@ def _accelerate_clip(original: Callable[..., Any]) -> Callable[..., Any]:
         return _modes.exact_clip(params, max_norm, norm_type)
 
     return clip_grad_norm_
+
+
+def _trainer_prepare(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _prepare_for_training(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # the Trainer accumulates itself and gives its Accelerator a count of 1, the one
+        # _prepare_fsdp2 checks: check the Trainer's own, before anything is prepared
+        steps = self.args.gradient_accumulation_steps
+        _modes.check_setup(self.model, steps, "gradient_accumulation_steps")
+        return original(self, *args, **kwargs)
+
+    return _prepare_for_training
 
 
 # ---- Lightning: the Trainer's strategies and precision plugin, and Fabric ------------------
@@ -140,6 +152,9 @@ SEAMS: dict[str, list[tuple[str, str, Callable[[Any], Any]]]] = {
         ("Accelerator", "_prepare_fsdp2", _accelerate_prepare_fsdp2),
         ("Accelerator", "clip_grad_norm_", _accelerate_clip),
     ],
+    "transformers.trainer": [
+        ("Trainer", "_prepare_for_training", _trainer_prepare),
+    ],
     "lightning.pytorch.strategies.strategy": [
         ("Strategy", "setup_optimizers", _lightning_setup_optimizers),
     ],
@@ -170,22 +185,71 @@ def _patch(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
     _PATCHED.append((owner, name, original))
 
 
+def _install_module(module: str) -> None:
+    mod = sys.modules.get(module)
+    if mod is None:
+        return
+    for cls_name, name, make in SEAMS.get(module, ()):
+        owner = getattr(mod, cls_name) if cls_name else mod
+        _patch(owner, name, make)
+
+
+class _SeamLoader(importlib.abc.Loader):
+    """A framework module's own loader, then its seams patched (see ``_SeamFinder``)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.loader.exec_module(module)
+        if _modes.current().on():
+            _install_module(module.__name__)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, is_package, ... (inspect, pkgutil)
+        return getattr(self.loader, name)
+
+
+class _SeamFinder(importlib.abc.MetaPathFinder):
+    """Patches a seam's module as it is imported: ``use_fsdp2(mode=...)`` comes first in a
+    script, before the framework is imported, and the framework's first ``prepare`` /
+    ``fit`` must already pass through the seams."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname not in SEAMS:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and not isinstance(spec.loader, _SeamLoader):
+                    spec.loader = _SeamLoader(spec.loader)
+                return spec
+        return None
+
+
+_FINDER = _SeamFinder()
+
+
 def install() -> None:
-    """Patch the seams of the frameworks already imported, while a mode is on (idempotent;
-    called by ``use_fsdp2`` and at each switched ``fully_shard``)."""
+    """Patch the seams of the frameworks already imported, and of those imported later
+    (an import hook), while a mode is on (idempotent; called by ``use_fsdp2`` and at each
+    switched ``fully_shard``)."""
     if not _modes.current().on():
         return
-    for module, patches in SEAMS.items():
-        mod = sys.modules.get(module)
-        if mod is None:
-            continue
-        for cls_name, name, make in patches:
-            owner = getattr(mod, cls_name) if cls_name else mod
-            _patch(owner, name, make)
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
+    for module in SEAMS:
+        _install_module(module)
 
 
 def uninstall() -> None:
-    """Put every patched seam back."""
+    """Put every patched seam back, and stop patching imports."""
+    if _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
     while _PATCHED:
         owner, name, original = _PATCHED.pop()
         setattr(owner, name, original)

@@ -15,7 +15,10 @@
 #   checks of what the framework chose (a power-of-two accumulation count and world size for
 #   the deterministic mode: ``ValueError`` naming its setting, before any collective), and
 #   the optimizer wrapped for ``shard_over_replicas`` (its LR scheduler, built on the
-#   framework's optimizer, drives the wrapper: they share ``param_groups``);
+#   framework's optimizer, drives the wrapper: they share ``param_groups``). The HF Trainer
+#   accumulates itself and gives accelerate a count of 1, so its own
+#   ``gradient_accumulation_steps`` is checked where it starts preparing
+#   (``Trainer._prepare_for_training``);
 # * the framework's gradient clipping (accelerate's ``clip_grad_norm_``, Lightning's
 #   precision plugin and Fabric's strategy, torchtitan's ``clip_grad_norm_``) under the
 #   deterministic mode: ``fsdp2.reduction.clip_grad_norm_``, whose norm is the same bits at

@@ -144,3 +144,32 @@ def test_modes_through_accelerate() -> None:
     )
     msg = two["three"]
     assert "gradient_accumulation_steps=3" in msg and "power of two" in msg, msg
+
+
+_IMPORT_ORDER = """
+import sys
+from fsdp2.integrations import restore_torch_fsdp, use_fsdp2
+
+use_fsdp2(shard_over_replicas=True)  # first thing, as the docs say: accelerate not imported yet
+assert "accelerate" not in sys.modules
+from accelerate import Accelerator
+from transformers import Trainer
+
+assert getattr(Accelerator._prepare_fsdp2, "_fsdp2_modes", False)
+assert getattr(Trainer._prepare_for_training, "_fsdp2_modes", False)
+restore_torch_fsdp()
+assert not getattr(Accelerator._prepare_fsdp2, "_fsdp2_modes", False)
+print("patched at import")
+"""
+
+
+def test_modes_reach_a_framework_imported_after_use_fsdp2() -> None:
+    """``use_fsdp2(mode=...)`` comes before the framework's import: its seams are patched as
+    it is imported, so its first ``prepare`` already wraps the optimizer."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _IMPORT_ORDER], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and "patched at import" in out.stdout, out.stderr[-2000:]
