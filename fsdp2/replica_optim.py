@@ -25,7 +25,8 @@ all-gather, so the bytes across replicas stay those of HSDP's all-reduce (when g
 are reduced in the parameters' dtype; a ``reduce_dtype`` of bf16 under fp32 parameters
 halves the reduce-scatter but not the all-gather of the fp32 shards), while the gradient
 and the optimizer state per rank are divided by ``R``. The numbers are HSDP's: the same
-sums (bitwise for two replicas) and the same elementwise update.
+sums (bitwise for two replicas) and the same elementwise update; gradient norms equal to
+rounding (summed over the pieces in another order).
 
 What changes for the training loop:
 
