@@ -56,10 +56,15 @@ ISA_ENV = TORCHINDUCTOR_CACHE_DIR=$(or $(TMPDIR),/tmp)/fsdp2-inductor-isa-$(ISA)
 
 venv: $(STAMP)
 
+# torchtitan (for Python 3.11+) without its requirements: what it imports is pyproject's
+# `torchtitan` extra (~18 MB); its own requirements would add datasets and tensorboard
+# (~340 MB) and wandb, which tests/integrations/torchtitan_cpu.py does without.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install $(TORCH_SPEC)
-	$(BIN)/python -m pip install -e '.[test]'
+	$(BIN)/python -m pip install -e '.[test,torchtitan]'
+	if $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
+		$(BIN)/python -m pip install --no-deps torchtitan==0.3.0; fi
 	touch $(STAMP)
 
 test: venv

@@ -81,6 +81,9 @@ class GroupLayout:
         # parameters frozen (requires_grad_(False)) since the group's last reduction: they
         # may hold gradients accumulated without sync, reduced with the next ones
         self.draining: list[FSDPParam] = []
+        # some modules of the group converted (``_apply``), others not yet: the flat buffer
+        # is laid out again once they agree (see [Note: conversion across modules])
+        self.resync_pending = False
         self._init_storage()
 
     def set_dtypes(self, orig_dtype: torch.dtype) -> None:

@@ -65,7 +65,10 @@ def before_forward(group: ParamGroup) -> None:
     outside the root's forward): follow ``requires_grad_`` calls ([Note: freezing]), take
     over a group ``unshard()`` left unsharded, and reshard one whose unsharded values are
     older than its sharded parameters, so that the forward gathers the new ones ([Note:
-    stale unsharded] in group.py). Issues no collective; may raise (``ValueError``)."""
+    stale unsharded] in group.py), and lay out a group converted in part since ([Note:
+    conversion across modules]). Issues no collective; may raise (``ValueError``)."""
+    if group.resync_pending:
+        _check_converted(group)
     sync_requires_grad(group)
     if group.stale():
         group.reshard()
@@ -160,11 +163,31 @@ def resync_after_apply(group: ParamGroup) -> None:
     """After ``nn.Module._apply`` (``to_empty``, ``.to(device or dtype)``) swapped the
     sharded params' local tensors, move them back into a flat buffer (of the new
     device/dtype) so [Note: flat storage] holds again. Parameter objects keep their
-    identity."""
+    identity. A group converted in part waits for the rest of its modules ([Note:
+    conversion across modules]).
+
+    [Note: conversion across modules]
+    ``fully_shard([a, b])`` makes one group over modules that ``_apply`` converts one after
+    the other: ``model.to_empty()`` runs ``a._apply`` (whose ``FSDPModule._apply`` resyncs
+    its groups) while ``b``'s parameters are still on meta (torchtitan's
+    ``fully_shard([model.norm, model.lm_head])``). Laying the group out then would copy out
+    of meta tensors, and after ``model.to(dtype)`` would mix dtypes in one buffer. So a
+    group whose flat parameters' local tensors disagree in dtype or device is left as it
+    is and marked ``resync_pending``; the conversion of its last module finds them agreeing
+    and lays it out once (torch's engine resets each parameter at its own module's
+    ``_apply``: the same end state). A group still disagreeing when a forward uses it (only
+    some of its modules were converted) raises ``ValueError`` naming its parameters, in
+    ``before_forward``, before any collective.
+    """
     _resync_ext(group)
     if not group.flat_params:
+        group.resync_pending = False
         return
     locals_ = [p.sharded._local_tensor for p in group.flat_params]
+    if len({(t.dtype, t.device) for t in locals_}) > 1:
+        group.resync_pending = True  # the conversion of its other modules is to come
+        return
+    group.resync_pending = False
     flat = group.sharded_flat
     storage = flat.untyped_storage()._cdata  # its identity (fake tensors have no data_ptr)
     if all(
@@ -175,10 +198,30 @@ def resync_after_apply(group: ParamGroup) -> None:
     ):
         return
     dtype, device = locals_[0].dtype, locals_[0].device
-    if any(t.dtype != dtype for t in locals_):
-        raise ValueError(f"fully_shard({group.name}): conversion left mixed dtypes")
     group.retype(dtype)
     group.relayout(dtype, device)
+
+
+def _check_converted(group: ParamGroup) -> None:
+    """A forward is about to use a group left converted in part ([Note: conversion across
+    modules]): lay it out if its modules' conversions have all run since, else raise."""
+    resync_after_apply(group)
+    if not group.resync_pending:
+        return
+    kinds: dict[tuple[torch.dtype, torch.device], list[str]] = {}
+    for p in group.flat_params:
+        t = p.sharded._local_tensor
+        kinds.setdefault((t.dtype, t.device), []).append(p.fqn)
+    listing = "; ".join(
+        f"{dtype} on {device}: {', '.join(names[:4])}" + (" ..." if len(names) > 4 else "")
+        for (dtype, device), names in kinds.items()
+    )
+    raise ValueError(
+        f"fully_shard({group.path}): a conversion (to_empty, .to, .half, ...) reached only some "
+        f"of the modules or parameters of this fully_shard call, whose parameters now differ "
+        f"({listing}). Convert all of them alike, e.g. through their common parent "
+        "(model.to_empty(device=...), model.to(dtype))"
+    )
 
 
 def _resync_ext(group: ParamGroup) -> None:

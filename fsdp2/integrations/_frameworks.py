@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from fsdp2.integrations import _modes
+from fsdp2.integrations import _modes, _torchtitan
 
 __all__ = ["SEAMS", "install", "uninstall"]
 
@@ -170,6 +170,8 @@ SEAMS: dict[str, list[tuple[str, str, Callable[[Any], Any]]]] = {
     ],
 }
 
+
+SEAMS.update(_torchtitan.SEAMS)  # torchtitan's own (its container, Trainer and clipping)
 
 _PATCHED: list[tuple[Any, str, Any]] = []  # (class or module, attribute, original)
 
