@@ -5,7 +5,7 @@ gradient accumulation (``accumulate``, ``backward`` dividing the loss by the ste
 ``clip_grad_norm_`` and the optimizer it prepared, against the same mode in a plain script
 (``modes_common.plain``), bitwise:
 
-* ``deterministic=True`` on 2 and 4 ranks against the plain script on 1 rank (the mode's
+* ``deterministic=True`` on 1, 2 and 4 ranks against the plain script on 1 rank (the mode's
   promise: the same bits at every world size, through accelerate's clipping too);
   ``gradient_accumulation_steps=3`` raises at ``prepare``, naming the setting;
 * ``exchange_reduce=torch.bfloat16`` on 2 ranks against the plain script on 2;
@@ -113,6 +113,13 @@ def _three_micro_batches() -> str:
     return "no error"
 
 
+def _one_rank() -> dict[str, Any]:
+    return {
+        "plain": plain("deterministic", (1,)),
+        "deterministic": _accelerate("deterministic", (1,)),
+    }
+
+
 def _two_ranks() -> dict[str, Any]:
     return {
         "deterministic": _accelerate("deterministic", (2,)),
@@ -131,9 +138,11 @@ def _four_ranks() -> dict[str, Any]:
 
 
 def test_modes_through_accelerate() -> None:
-    one = run_on_ranks(1, plain, "deterministic", (1,))[0]
+    single = run_on_ranks(1, _one_rank)[0]
+    one = single["plain"]
     two = run_on_ranks(2, _two_ranks)[0]
     four = run_on_ranks(4, _four_ranks)[0]
+    check_same(single["deterministic"], one, "deterministic: accelerate on 1 rank vs 1 rank")
     check_same(two["deterministic"], one, "deterministic: accelerate on 2 ranks vs 1 rank")
     check_same(four["deterministic"], one, "deterministic: accelerate on 4 ranks vs 1 rank")
     check_same(two["wire"], two["wire, plain"], "bf16 wire: accelerate vs a plain script")

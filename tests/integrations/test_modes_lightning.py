@@ -273,6 +273,13 @@ def _plain_reducing_each() -> dict[str, Any]:
     return result(losses, model, norms)
 
 
+def _one_rank() -> dict[str, Any]:
+    return {
+        "plain": plain("deterministic", (1,)),
+        "deterministic": _trainer_run("deterministic", (1,)),
+    }
+
+
 def _two_ranks() -> dict[str, Any]:
     return {
         "deterministic": _trainer_run("deterministic", (2,)),
@@ -295,9 +302,11 @@ def _four_ranks() -> dict[str, Any]:
 
 
 def test_modes_through_lightning() -> None:
-    one = run_on_ranks(1, plain, "deterministic", (1,))[0]
+    single = run_on_ranks(1, _one_rank)[0]
+    one = single["plain"]
     two = run_on_ranks(2, _two_ranks)[0]
     four = run_on_ranks(4, _four_ranks)[0]
+    check_same(single["deterministic"], one, "deterministic: Trainer on 1 rank vs 1 rank")
     check_same(two["deterministic"], one, "deterministic: Trainer on 2 ranks vs 1 rank")
     check_same(four["deterministic"], one, "deterministic: Trainer on 4 ranks vs 1 rank")
     check_same(two["fabric deterministic"], one, "deterministic: Fabric on 2 ranks vs 1 rank")
