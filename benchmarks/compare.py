@@ -58,7 +58,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _baseline import BASELINE, load_baseline, runtime_fsdp2_imports  # noqa: E402
 from _memory import peak_step_bytes  # noqa: E402
 
-from fsdp2._core.observe import HUB, Collective, Observer  # noqa: E402
+from fsdp2._core.support.observe import HUB, Collective, Observer  # noqa: E402
 from fsdp2.models import Llama, LlamaConfig, TransformerBlock  # noqa: E402
 
 IMPLS = ("fsdp2", "torch_fsdp2", "torch_fsdp1", "ddp", "single")

@@ -41,175 +41,44 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import statistics
 import subprocess
 import sys
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.insert(0, _HERE)
 
+from _gpu_harness import (  # noqa: E402
+    SHAPES,
+    MiB,
+    impl_rows,
+    init_fake_rank0,
+    init_one_rank,
+    interleaved,
+    measured,
+    random_tokens,
+    ratios,
+    shard,
+    spread,
+)
+
 import fsdp2  # noqa: E402
-from fsdp2.models import Llama, LlamaConfig  # noqa: E402
+from fsdp2.models import Llama  # noqa: E402
 
-MiB = 2**20
 PARTS = ("step", "memory", "offload", "sync", "deterministic")
-
-
-# name -> (config, batch, seq) per size; "small" is what --device cpu runs.
-def _llama(vocab: int, dim: int, layers: int, heads: int, seq: int) -> LlamaConfig:
-    return LlamaConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads, max_seq_len=seq)
-
-
-SHAPES: dict[str, dict[str, tuple[LlamaConfig, int, int]]] = {
-    "full": {
-        "step": (_llama(32000, 2048, 8, 16, 2048), 4, 2048),
-        "memory": (_llama(32000, 2048, 18, 16, 2048), 2, 2048),
-        "offload": (_llama(32000, 2048, 4, 16, 2048), 2, 2048),
-        "sync": (_llama(32000, 2048, 8, 16, 2048), 0, 0),
-    },
-    "small": {
-        "step": (_llama(512, 64, 2, 4, 64), 2, 64),
-        "memory": (_llama(512, 64, 3, 4, 64), 2, 64),
-        "offload": (_llama(512, 64, 2, 4, 64), 2, 64),
-        "sync": (_llama(512, 64, 2, 4, 64), 0, 0),
-    },
-}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _init_one_rank(device: str) -> None:
-    backend = "nccl" if device == "cuda" else "gloo"
-    if device == "cuda":
-        torch.cuda.set_device(0)
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-    )
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _allocated(device: str) -> int:
-    return int(torch.cuda.memory_allocated()) if device == "cuda" else 0
-
-
-def _policies(engine: str, offload: bool) -> dict[str, Any]:
-    if engine == "fsdp2":
-        mp_cls, off_cls = fsdp2.MixedPrecisionPolicy, fsdp2.CPUOffloadPolicy
-    else:
-        from torch.distributed.fsdp import CPUOffloadPolicy as off_cls  # noqa: N813
-        from torch.distributed.fsdp import MixedPrecisionPolicy as mp_cls  # noqa: N813
-    kw: dict[str, Any] = {
-        "mp_policy": mp_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    }
-    if offload:
-        kw["offload_policy"] = off_cls(pin_memory=torch.cuda.is_available())
-    return kw
-
-
-def _shard(model: nn.Module, engine: str, mesh: Any, offload: bool = False) -> nn.Module:
-    if engine == "fsdp2":
-        fn = fsdp2.fully_shard
-    else:
-        from torch.distributed.fsdp import fully_shard as fn
-    kw = _policies(engine, offload)
-    for block in model.layers:  # type: ignore[union-attr]
-        fn(block, mesh=mesh, **kw)
-    fn(model, mesh=mesh, **kw)
-    return model
-
-
-def _data(cfg: LlamaConfig, batch: int, seq: int, n: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1234)
-    return torch.randint(0, cfg.vocab_size, (n, batch, seq + 1), generator=g)
-
-
-def _spread(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
 # ---------------------------------------------------------------------------------------------
 # step: world size 1, interleaved
 
 
-def _interleaved(
-    device: str,
-    models: dict[str, nn.Module],
-    optims: dict[str, torch.optim.Optimizer],
-    data: torch.Tensor,
-    warmup: int,
-    autocast: set[str],
-    micro: int = 1,
-    scaled: set[str] = frozenset(),  # type: ignore[assignment]
-) -> dict[str, Any]:
-    """``micro`` > 1: each batch as that many micro-batches, synced on the last; the impls in
-    ``scaled`` divide each micro-batch's loss by ``micro``."""
-    times: dict[str, list[float]] = {k: [] for k in models}
-    peaks: dict[str, int] = {k: 0 for k in models}
-    losses: dict[str, float] = {}
-    for i in range(data.size(0)):
-        batch = data[i].to(device)
-        for impl, model in models.items():
-            _sync(device)
-            if device == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            before = _allocated(device)
-            t0 = time.perf_counter()
-            for j, mb in enumerate(batch.chunk(micro)):
-                if micro > 1:
-                    model.set_requires_gradient_sync(j == micro - 1)  # type: ignore[operator]
-                with torch.autocast(device, torch.bfloat16, enabled=impl in autocast):
-                    loss = model(mb[:, :-1], mb[:, 1:])
-                (loss / micro if impl in scaled else loss).backward()
-            optims[impl].step()
-            optims[impl].zero_grad()
-            _sync(device)
-            elapsed = time.perf_counter() - t0
-            if i >= warmup:
-                times[impl].append(elapsed)
-                if device == "cuda":
-                    peak = int(torch.cuda.max_memory_allocated()) - before
-                    peaks[impl] = max(peaks[impl], peak)
-            losses[impl] = float(loss.item())
-    return {"times": times, "peaks": peaks, "losses": losses}
-
-
-def _impl_rows(run: dict[str, Any], device: str) -> dict[str, dict[str, Any]]:
-    """Per implementation: step time spread, the step's peak above what was resident (CUDA),
-    the last loss."""
-    return {
-        k: {
-            "step_s": _spread(v),
-            "peak_above_resident_mib": run["peaks"][k] / MiB if device == "cuda" else None,
-            "last_loss": run["losses"][k],
-        }
-        for k, v in run["times"].items()
-    }
-
-
-def _ratios(times: dict[str, list[float]], num: str, den: str) -> dict[str, float]:
-    return _spread([a / b for a, b in zip(times[num], times[den], strict=True)])
-
-
 def part_step(device: str, size: str, steps: int, warmup: int) -> dict[str, Any]:
-    _init_one_rank(device)
-    mesh = init_device_mesh(device, (1,))
+    mesh = init_one_rank(device)
     cfg, batch, seq = SHAPES[size]["step"]
     models: dict[str, nn.Module] = {}
     optims: dict[str, torch.optim.Optimizer] = {}
@@ -218,24 +87,24 @@ def part_step(device: str, size: str, steps: int, warmup: int) -> dict[str, Any]
         with torch.device(device):
             model = Llama(cfg)
         if impl != "single":
-            _shard(model, "torch" if impl == "torch_fsdp2" else "fsdp2", mesh)
+            shard(model, "torch" if impl == "torch_fsdp2" else "fsdp2", mesh)
         models[impl] = model
         optims[impl] = torch.optim.AdamW(model.parameters(), lr=1e-4)
         if impl == "fsdp2_local_step":
             fsdp2.optim.step_on_local_shards(optims[impl])
-    data = _data(cfg, batch, seq, steps + warmup)
-    run = _interleaved(device, models, optims, data, warmup, autocast={"single"})
+    data = random_tokens(cfg, batch, seq, steps + warmup)
+    run = interleaved(device, models, optims, data, warmup, autocast={"single"})
     times = run["times"]
     out = {
         "part": "step",
         "what": f"world size 1, Llama {cfg.n_layers} layers dim {cfg.dim} vocab "
         f"{cfg.vocab_size}, {batch}x{seq} tokens, bf16 mixed precision, AdamW",
-        "impls": _impl_rows(run, device),
+        "impls": impl_rows(run, device),
         "ratios": {
-            "fsdp2 / single": _ratios(times, "fsdp2", "single"),
-            "fsdp2_local_step / single": _ratios(times, "fsdp2_local_step", "single"),
-            "fsdp2 / torch_fsdp2": _ratios(times, "fsdp2", "torch_fsdp2"),
-            "torch_fsdp2 / single": _ratios(times, "torch_fsdp2", "single"),
+            "fsdp2 / single": ratios(times, "fsdp2", "single"),
+            "fsdp2_local_step / single": ratios(times, "fsdp2_local_step", "single"),
+            "fsdp2 / torch_fsdp2": ratios(times, "fsdp2", "torch_fsdp2"),
+            "torch_fsdp2 / single": ratios(times, "torch_fsdp2", "single"),
         },
         "targets": {"fsdp2 / single": 1.03, "fsdp2 / torch_fsdp2": 1.0},
     }
@@ -246,21 +115,20 @@ def part_step(device: str, size: str, steps: int, warmup: int) -> dict[str, Any]
 def part_deterministic(device: str, size: str, steps: int, warmup: int) -> dict[str, Any]:
     from fsdp2.reduction import set_deterministic
 
-    _init_one_rank(device)
-    mesh = init_device_mesh(device, (1,))
+    mesh = init_one_rank(device)
     cfg, batch, seq = SHAPES[size]["step"]
     models: dict[str, nn.Module] = {}
     optims: dict[str, torch.optim.Optimizer] = {}
     for impl in ("fsdp2", "fsdp2_deterministic"):
         torch.manual_seed(0)
         with torch.device(device):
-            model = _shard(Llama(cfg), "fsdp2", mesh)
+            model = shard(Llama(cfg), "fsdp2", mesh)
         if impl == "fsdp2_deterministic":
             set_deterministic(model)
         models[impl] = model
         optims[impl] = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    data = _data(cfg, batch, seq, steps + warmup)
-    run = _interleaved(
+    data = random_tokens(cfg, batch, seq, steps + warmup)
+    run = interleaved(
         device,
         models,
         optims,
@@ -274,9 +142,9 @@ def part_deterministic(device: str, size: str, steps: int, warmup: int) -> dict[
         "part": "deterministic",
         "what": f"world size 1, Llama {cfg.n_layers} layers dim {cfg.dim} vocab "
         f"{cfg.vocab_size}, {batch} micro-batches of 1x{seq} tokens, bf16 mixed precision, AdamW",
-        "impls": _impl_rows(run, device),
+        "impls": impl_rows(run, device),
         "ratios": {
-            "fsdp2_deterministic / fsdp2": _ratios(run["times"], "fsdp2_deterministic", "fsdp2")
+            "fsdp2_deterministic / fsdp2": ratios(run["times"], "fsdp2_deterministic", "fsdp2")
         },
         "targets": {"fsdp2_deterministic / fsdp2": 1.10},
     }
@@ -289,16 +157,11 @@ def part_deterministic(device: str, size: str, steps: int, warmup: int) -> dict[
 
 
 def _memory_one(device: str, size: str, engine: str, world: int) -> dict[str, Any]:
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
-
-    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world)
-    if device == "cuda":
-        torch.cuda.set_device(0)
-    mesh = init_device_mesh(device, (world,))
+    mesh = init_fake_rank0(device, world)
     cfg, batch, seq = SHAPES[size]["memory"]
     with torch.device("meta"):
         model = Llama(cfg)
-    _shard(model, engine, mesh)
+    shard(model, engine, mesh)
     model.to_empty(device=device)
     torch.manual_seed(0)
     with torch.no_grad():
@@ -306,7 +169,7 @@ def _memory_one(device: str, size: str, engine: str, world: int) -> dict[str, An
             p.to_local().normal_(std=0.02)
     model.rope = model._rope(torch.device(device))  # a non-persistent buffer
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    data = _data(cfg, batch, seq, 3)
+    data = random_tokens(cfg, batch, seq, 3)
     n_params = sum(p.numel() for p in model.parameters())
 
     def step(i: int) -> None:
@@ -365,8 +228,7 @@ def part_memory(device: str, size: str, world: int) -> dict[str, Any]:
 
 
 def part_offload(device: str, size: str, steps: int, warmup: int) -> dict[str, Any]:
-    _init_one_rank(device)
-    mesh = init_device_mesh(device, (1,))
+    mesh = init_one_rank(device)
     cfg, batch, seq = SHAPES[size]["offload"]
     models: dict[str, nn.Module] = {}
     optims: dict[str, torch.optim.Optimizer] = {}
@@ -374,19 +236,19 @@ def part_offload(device: str, size: str, steps: int, warmup: int) -> dict[str, A
         torch.manual_seed(0)
         with torch.device(device):
             model = Llama(cfg)
-        models[impl] = _shard(model, "torch" if impl == "torch_fsdp2" else "fsdp2", mesh, True)
+        models[impl] = shard(model, "torch" if impl == "torch_fsdp2" else "fsdp2", mesh, True)
         optims[impl] = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if device == "cuda":
         torch.cuda.empty_cache()
-    data = _data(cfg, batch, seq, steps + warmup)
-    run = _interleaved(device, models, optims, data, warmup, autocast=set())
+    data = random_tokens(cfg, batch, seq, steps + warmup)
+    run = interleaved(device, models, optims, data, warmup, autocast=set())
     times = run["times"]
     out = {
         "part": "offload",
         "what": f"world size 1, CPUOffloadPolicy(), Llama {cfg.n_layers} layers dim {cfg.dim} "
         f"vocab {cfg.vocab_size}, {batch}x{seq} tokens, bf16 mixed precision, AdamW",
-        "impls": _impl_rows(run, device),
-        "ratios": {"fsdp2 / torch_fsdp2": _ratios(times, "fsdp2", "torch_fsdp2")},
+        "impls": impl_rows(run, device),
+        "ratios": {"fsdp2 / torch_fsdp2": ratios(times, "fsdp2", "torch_fsdp2")},
         "targets": {"fsdp2 / torch_fsdp2": 1.0},
     }
     if device == "cuda":
@@ -401,14 +263,9 @@ def part_offload(device: str, size: str, steps: int, warmup: int) -> dict[str, A
 
 
 def part_sync(device: str, size: str, repeats: int, world: int) -> dict[str, Any]:
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
-
     from fsdp2.checkpoint import iter_full_tensors
 
-    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world)
-    if device == "cuda":
-        torch.cuda.set_device(0)
-    mesh = init_device_mesh(device, (world,))
+    mesh = init_fake_rank0(device, world)
     cfg = SHAPES[size]["sync"][0]
     models = {}
     for engine in ("torch", "fsdp2"):
@@ -435,18 +292,13 @@ def part_sync(device: str, size: str, repeats: int, world: int) -> dict[str, Any
     peaks: dict[str, int] = {k: 0 for k in ways}
     for i in range(repeats + 1):  # the first round warms up
         for way, make in ways.items():
-            _sync(device)
-            if device == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            before = _allocated(device)
-            t0 = time.perf_counter()
-            for _ in make():
-                pass
-            _sync(device)
+            with measured(device) as m:
+                for _ in make():
+                    pass
             if i:
-                times[way].append(time.perf_counter() - t0)
+                times[way].append(m.seconds)
                 if device == "cuda":
-                    peaks[way] = max(peaks[way], int(torch.cuda.max_memory_allocated()) - before)
+                    peaks[way] = max(peaks[way], m.peak)
     dist.destroy_process_group()
     n_params = sum(p.numel() for p in models["fsdp2"].parameters())
     return {
@@ -456,13 +308,13 @@ def part_sync(device: str, size: str, repeats: int, world: int) -> dict[str, Any
         f"parameters, {len(models['fsdp2'].state_dict())} tensors), fp32",
         "impls": {
             k: {
-                "step_s": _spread(v),
+                "step_s": spread(v),
                 "peak_above_resident_mib": peaks[k] / MiB if device == "cuda" else None,
             }
             for k, v in times.items()
         },
         "ratios": {
-            f"{k} / torch loop": _ratios(times, k, "torch loop")
+            f"{k} / torch loop": ratios(times, k, "torch loop")
             for k in ("fsdp2 loop", "iter fp32", "iter bf16")
         },
         "targets": {"iter fp32 / torch loop": 0.5, "iter bf16 / torch loop": 0.5},

@@ -7,7 +7,7 @@ installed: the repository root goes on ``PYTHONPATH``), this runs
    training run repeated ``--repeats`` times (``FSDP2_GPU_REPEATS``): world size 1 on NCCL,
    parity with torch's FSDP2 and the unsharded model, streams and events, CPU offload with
    pinned memory, the process group's allocator, checkpoints, the CUDA memory estimate, the
-   timeline (``tests/core/test_gpu.py``, ``tests/core/test_offload.py``);
+   timeline (``tests/core/test_gpu.py``, ``tests/core/params/test_offload.py``);
 2. the numbers of ``benchmarks/gpu_bench.py``: ``step`` (world size 1 against the unsharded
    model and torch's FSDP2), ``memory`` (rank 0 of 8 through the fake process group, ~1B
    parameters), ``offload`` (``CPUOffloadPolicy``), ``sync`` (RL weight sync: the per-tensor

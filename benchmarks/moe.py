@@ -66,7 +66,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _memory import peak_step_bytes  # noqa: E402
 
 import fsdp2  # noqa: E402
-from fsdp2._core.observe import HUB, Collective, Observer  # noqa: E402
+from fsdp2._core.support.observe import HUB, Collective, Observer  # noqa: E402
 from fsdp2.models import (  # noqa: E402
     MoEConfig,
     MoETransformer,

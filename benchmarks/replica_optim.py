@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _memory import peak_step_bytes, storage_bytes  # noqa: E402
 
 import fsdp2  # noqa: E402
-from fsdp2._core.observe import HUB, Collective, Observer  # noqa: E402
+from fsdp2._core.support.observe import HUB, Collective, Observer  # noqa: E402
 from fsdp2.models import Llama, LlamaConfig  # noqa: E402
 from fsdp2.replica_optim import ReplicaShardedOptimizer, shard_over_replicas  # noqa: E402
 

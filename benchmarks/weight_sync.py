@@ -126,7 +126,7 @@ def _all_gathers(fn: Callable[[], Any]) -> int:
     """fsdp2's all-gathers (its observer) plus DTensor's (functional collectives)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from fsdp2._core.observe import HUB, Collective, Observer
+    from fsdp2._core.support.observe import HUB, Collective, Observer
 
     class Count(Observer):
         n = 0

@@ -1,12 +1,12 @@
 """fsdp2: fully sharded data parallel training for PyTorch, API-compatible
 with torch's FSDP2 ``fully_shard`` (torch 2.13's API; runs on torch 2.11 to 2.14)."""
 
-from fsdp2._core import compat as _compat  # noqa: F401, I001  (first: refuses a torch older than fsdp2 supports)
+from fsdp2._core.support import compat as _compat  # noqa: F401, I001  (first: refuses a torch older than fsdp2 supports)
 from typing import TYPE_CHECKING, Any
 
 from fsdp2 import optim
-from fsdp2._core import pipeline as _pipeline
-from fsdp2._core.debug import is_debug, set_debug
+from fsdp2._core.front import pipelining as _pipelining  # noqa: F401  (fsdp2 enables it itself)
+from fsdp2._core.support.debug import is_debug, set_debug
 from fsdp2.api import (
     AllGather,
     Comm,
@@ -18,8 +18,8 @@ from fsdp2.api import (
     ShardPlacementResult,
 )
 from fsdp2.clip import clip_grad_norm_
-from fsdp2._core.replicate import ReplicateModule, replicate
-from fsdp2._core.sharding import (
+from fsdp2._core.front.replicate import ReplicateModule, replicate
+from fsdp2._core.front.sharding import (
     FSDPModule,
     UnshardHandle,
     fully_shard,
@@ -41,16 +41,6 @@ _LAZY = {
     "Timeline": ("fsdp2.planning.timeline", "Timeline"),
     "timeline": ("fsdp2.planning.timeline", "timeline"),
 }
-
-
-def _enable_pipelining() -> None:
-    # above the engine (imports torch's pipelining): registered, not imported by the engine
-    import importlib
-
-    importlib.import_module("fsdp2.integrations.pipelining").enable()
-
-
-_pipeline.set_enabler(_enable_pipelining)
 
 
 def __getattr__(name: str) -> Any:

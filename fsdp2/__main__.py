@@ -1,4 +1,4 @@
-"""``python -m fsdp2``: the ``fsdp2`` command (fsdp2/cli.py)."""
+"""``python -m fsdp2``: the ``fsdp2`` command (fsdp2/cli/__init__.py)."""
 
 import sys
 

@@ -15,8 +15,8 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from fsdp2._core.piece_state import Slot, clip_slots
-from fsdp2._core.unsharded import any_replica_sharded, sharded_of, sharded_owners
+from fsdp2._core.replicas.piece_state import Slot, clip_slots
+from fsdp2._core.support.unsharded import any_replica_sharded, sharded_of, sharded_owners
 
 __all__ = ["clip_grad_norm_"]
 

@@ -15,7 +15,7 @@ model). It gives
   ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)`` rounds every partial sum inside the
   collective (an error that grows with the world size);
 * **a fixed summation order**: the pieces are summed in the canonical tree over the ranks
-  ([Note: canonical sum] in fsdp2/_core/exact.py), whatever the collective's algorithm, so
+  ([Note: canonical sum] in fsdp2/_core/comm/exact.py), whatever the collective's algorithm, so
   a reduction is reproducible bit for bit from run to run; :func:`set_deterministic` goes
   further: the same bits at every world size.
 
@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp2._core import exact
+from fsdp2._core.comm import exact
 from fsdp2.api import ReduceScatter
 
 __all__ = [
@@ -69,7 +69,7 @@ def canonical_sum(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
     """The canonical tree sum of ``pieces`` (same shape and dtype): ``S(x_0..x_{p-1}) +
     S(x_p..x_{n-1})`` with ``p`` the largest power of two below ``n``. A sum over ``m * k``
     pieces equals the sum over the ``m`` sums of aligned blocks of ``k`` (``k`` a power of
-    two), bit for bit: [Note: canonical sum] in fsdp2/_core/exact.py. Adds in place into
+    two), bit for bit: [Note: canonical sum] in fsdp2/_core/comm/exact.py. Adds in place into
     the first piece of each split (pass copies to keep the pieces).
 
     Raises:
@@ -183,7 +183,7 @@ def set_exchange_reduce(
 
 def _fsdp_modules(model: nn.Module, who: str) -> list[Any]:
     """Every ``fully_shard`` module of ``model``, itself included; ``ValueError`` if none."""
-    from fsdp2._core.sharding import FSDPModule
+    from fsdp2._core.front.sharding import FSDPModule
 
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules:
@@ -201,7 +201,7 @@ def set_deterministic(model: nn.Module, enabled: bool = True) -> None:
     ones (rank ``r`` the micro-batches ``r*k`` to ``r*k + k - 1``; ``k`` and ``W`` powers of
     two), each one's backward with ``set_requires_gradient_sync(False)`` but the last: each
     parameter's gradient is then the canonical tree sum ([Note: canonical sum] in
-    fsdp2/_core/exact.py) of the micro-batch gradients, in fp32, divided once by the
+    fsdp2/_core/comm/exact.py) of the micro-batch gradients, in fp32, divided once by the
     data-parallel ranks ``W`` as the default reduction averages (or by
     ``set_gradient_divide_factor``'s factor). So the usual loop keeps its loss: each
     micro-batch's mean loss divided by ``k`` gives the gradient of the global batch's mean,
@@ -319,7 +319,7 @@ def _row_squares(local: torch.Tensor) -> torch.Tensor:
 
 
 def _invariant_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    from fsdp2._core.collectives import all_gather
+    from fsdp2._core.comm.collectives import all_gather
 
     per_param: list[torch.Tensor | None] = [None] * len(grads)
     gathers: dict[Any, list[tuple[int, torch.Tensor, int, int]]] = {}  # pg -> (i, rows, R, c)

@@ -33,7 +33,7 @@ What changes for the training loop:
 - The gradients of the wrapped HSDP parameters are held in pieces, and each piece is its
   parameter's ``.grad``: a DTensor whose local tensor is the piece, which the standard tools
   read exactly (``torch.nn.utils.clip_grad_norm_``, ``GradScaler``, the frameworks'
-  clipping; [Note: pieces as .grad] in fsdp2/_core/piece_grad.py), as do
+  clipping; [Note: pieces as .grad] in fsdp2/_core/replicas/piece_grad.py), as do
   :meth:`ReplicaShardedOptimizer.clip_grad_norm_` and ``fsdp2.clip_grad_norm_``.
   ``p.grad.full_tensor()`` gathers it whole; an op that needs its layout (a view) raises.
   ``optim.zero_grad()`` and ``model.zero_grad()`` clear them.
@@ -59,10 +59,10 @@ from typing import Any
 
 import torch
 
-from fsdp2._core.piece_grad import PieceGrad, flatten_mesh
-from fsdp2._core.piece_state import Slot, clip_slots, like, piece_of, whole_state
-from fsdp2._core.pieces import finish_gather, gather_pieces
-from fsdp2._core.unsharded import REPLICA_MARK, sharded_of, sharded_owners, track
+from fsdp2._core.replicas.piece_grad import PieceGrad, flatten_mesh
+from fsdp2._core.replicas.piece_state import Slot, clip_slots, like, piece_of, whole_state
+from fsdp2._core.replicas.pieces import finish_gather, gather_pieces
+from fsdp2._core.support.unsharded import REPLICA_MARK, sharded_of, sharded_owners, track
 from fsdp2.optim import ELEMENTWISE_OPTIMIZERS, MATRIX_WISE_OPTIMIZERS, Muon
 
 __all__ = ["PieceGrad", "ReplicaShardedOptimizer", "shard_over_replicas"]

@@ -2,13 +2,13 @@
 
 ``CommCounter`` records each collective of a ``with`` block as a ``Call`` (kind, how it was
 carried, group size, input numel): fsdp2's through the engine's observer interface (an
-``Observer`` subscribed to ``fsdp2._core.observe.HUB``: [Note: observation]), and everything
+``Observer`` subscribed to ``fsdp2._core.support.observe.HUB``: [Note: observation]), and everything
 else (torch's FSDP2, DDP, the tests' own) by wrapping ``torch.distributed``'s public
 ``all_gather_single``, ``all_gather_into_tensor``, ``reduce_scatter_single``,
 ``reduce_scatter_tensor`` and ``all_reduce`` for the block. A ``torch.distributed`` call made
 while fsdp2 issues one of its own (inside its "... issue" region, e.g. a custom comm's) is
 fsdp2's collective, counted once. On gloo fsdp2 reduce-scatters by a send/receive exchange (2
-ranks) or an in-place all-reduce ([Note: gloo reduce-scatter] in fsdp2/_core/gloo.py): both
+ranks) or an in-place all-reduce ([Note: gloo reduce-scatter] in fsdp2/_core/comm/gloo.py): both
 count as ``"RS"`` (``api`` ``"exchange"`` or ``"all_reduce"``), its all-gathers by sends and
 receives as ``"AG"`` with ``api`` ``"exchange"``; a reduce-scatter's numel is that of the
 packed input (every rank's rows), an all-gather's that of this rank's input.
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp2._core.observe import HUB, Collective, Observer
+from fsdp2._core.support.observe import HUB, Collective, Observer
 
 __all__ = [
     "AG_API",
@@ -49,7 +49,7 @@ __all__ = [
     "spy_reduce_scatters",
 ]
 
-# The single-tensor collectives' names: torch 2.13 renamed them (fsdp2/_core/compat.py).
+# The single-tensor collectives' names: torch 2.13 renamed them (fsdp2/_core/support/compat.py).
 AG_API = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 RS_API = (
     "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"

@@ -26,7 +26,7 @@ from comm_counter import AG_API
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.checkpoint import checkpoint
 
-from fsdp2._core.piece_grad import PieceGrad
+from fsdp2._core.replicas.piece_grad import PieceGrad
 
 __all__ = [
     "MLPBlock",

@@ -29,7 +29,7 @@ from models import ResidualNet, make_batch, shard_model
 from torch.distributed.tensor import DTensor
 
 from fsdp2 import fully_shard
-from fsdp2._core.unsharded import sharded_of
+from fsdp2._core.support.unsharded import sharded_of
 
 IN, D, OUT = 5, 6, 3  # ResidualNet's sizes; D=6 on 4 ranks: chunks of 2, 2, 2, 0 rows
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # gradients and parameters

@@ -1,4 +1,4 @@
-"""The ``fsdp2`` command (fsdp2/cli.py): docs/cli.md's commands run exactly as shown, with
+"""The ``fsdp2`` command (fsdp2/cli/__init__.py): docs/cli.md's commands run exactly as shown, with
 the output the page shows; ``python -m fsdp2`` is the same command; ``fsdp2 estimate``'s
 numbers are ``fsdp2.estimate_memory``'s, to the byte (JSON, HSDP mesh, a sweep); the inputs a
 person gets wrong exit 1 or 2 with a message saying what to fix.

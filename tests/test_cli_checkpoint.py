@@ -1,4 +1,4 @@
-"""``fsdp2 inspect`` and ``fsdp2 convert`` (fsdp2/cli.py, fsdp2/checkpoint/_inspect.py and
+"""``fsdp2 inspect`` and ``fsdp2 convert`` (fsdp2/cli/__init__.py, fsdp2/checkpoint/_inspect.py and
 _convert.py) on real files: a DCP checkpoint of a tiny Hugging Face Llama sharded over 2 gloo
 ranks with its AdamW state (``{"model": ..., "optim": ...}``), safetensors and FSDP1-style
 ``torch.save`` full state dicts.

@@ -1,4 +1,4 @@
-"""``fsdp2 estimate``'s extras (fsdp2/cli.py): fsdp2's own models by name, ``--optimizer
+"""``fsdp2 estimate``'s extras (fsdp2/cli/__init__.py): fsdp2's own models by name, ``--optimizer
 muon``, ``--plot``, and the Hugging Face configs under examples/configs.
 
 * ``fsdp2 estimate llama-bench`` is benchmarks/estimate.py's estimate of the benchmark Llama
@@ -132,7 +132,7 @@ def test_shard_over_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
     and 5 blocks as the whole model simulated (``--exact``), to the byte. ``--optim-dtype``'s
     optimizer is wrapped too. ``--sweep`` with HSDP meshes shows each without and with it.
     Refused without an ``RxS`` mesh, and with Muon."""
-    from fsdp2 import _cli_estimate
+    from fsdp2.cli import _estimate as _cli_estimate
     from fsdp2.models import Llama, LlamaConfig
 
     # 6 blocks (scaled), and shapes whose shards and pieces round up

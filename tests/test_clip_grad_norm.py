@@ -43,7 +43,7 @@ from tp_models import (
 )
 
 import fsdp2
-from fsdp2._core.unsharded import sharded_of
+from fsdp2._core.support.unsharded import sharded_of
 
 WORLD_SIZE = 4
 MAX_NORM = 0.05  # below every total norm seen here, so clipping scales

@@ -4,7 +4,7 @@ mixed_precision.md and reproducibility.md run exactly as shown.
 Every command in the pages' ``sh`` blocks is run as written (``torchrun`` and ``accelerate``
 are the venv's), in a fresh directory holding a link to ``examples/``, on 2 to 4 CPU ranks
 (as the command says): each
-exits 0 (no abort at exit either: see [Note: clean exit] in fsdp2/_core/clean_exit.py) and
+exits 0 (no abort at exit either: see [Note: clean exit] in fsdp2/_core/support/clean_exit.py) and
 prints its closing line. Every ``python`` block of docs/ marked as an excerpt of a script
 (``<!-- excerpt: examples/x.py -->`` on the line before) is that script's text, verbatim;
 the other ``python`` blocks of docs/huggingface.md run, in order, in one namespace.

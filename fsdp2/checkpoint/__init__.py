@@ -40,7 +40,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from fsdp2._core.seam import install_exit_drain, step_phase
+from fsdp2._core.front.seam import install_exit_drain, step_phase
 from fsdp2.checkpoint._files import (
     Source,
     open_source,

@@ -1,4 +1,4 @@
-"""Checkpoint conversion for ``fsdp2 convert`` (fsdp2/cli.py, docs/cli.md): any checkpoint
+"""Checkpoint conversion for ``fsdp2 convert`` (fsdp2/cli/__init__.py, docs/cli.md): any checkpoint
 ``_inspect.open_checkpoint`` reads (DCP, safetensors, a ``torch.save`` file) into a Hugging
 Face safetensors folder (or one ``.safetensors`` file) or a DCP folder.
 

@@ -31,7 +31,7 @@ from typing import IO, Any, NamedTuple
 
 import torch
 
-from fsdp2._core.storage import contiguous_stride as _contiguous_stride
+from fsdp2._core.params.storage import contiguous_stride as _contiguous_stride
 
 __all__ = ["Entry", "Source", "StreamWriter", "open_source", "st_dtype"]
 

@@ -1,5 +1,5 @@
 """Any checkpoint on disk, read one tensor at a time, and what it holds: the engine of
-``fsdp2 inspect`` and ``fsdp2 convert`` (fsdp2/cli.py, docs/cli.md).
+``fsdp2 inspect`` and ``fsdp2 convert`` (fsdp2/cli/__init__.py, docs/cli.md).
 
 Three formats, told apart by what is on disk:
 

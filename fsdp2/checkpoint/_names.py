@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp2._core.seam import compute_device, managed_params
+from fsdp2._core.front.seam import compute_device, managed_params
 
 __all__ = [
     "KeyMap",

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from fsdp2._core.seam import gather_pieces
+from fsdp2._core.front.seam import gather_pieces
 from fsdp2.checkpoint._save import (
     comm_device,
     coordinates,

@@ -13,7 +13,7 @@ layer, re-exported here: ``_wrap.py`` (auto-wrap policies), ``_mixed_precision.p
 (state dict types and configs, model state dicts; [Note: FSDP1 state dicts]),
 ``_state_dict_type.py`` (the ``state_dict_type`` context), ``_optim.py`` (optimizer state
 dicts; [Note: FSDP1 optimizer state dicts]) and ``_collectives.py``. The
-layer reaches the core only through fsdp2's public API and ``fsdp2._core.seam``.
+layer reaches the core only through fsdp2's public API and ``fsdp2._core.front.seam``.
 
 [Note: FSDP1 mapping]
 ``shard_model`` calls ``fully_shard`` on every wrap unit the policy selects, children before
@@ -84,7 +84,7 @@ from fsdp2 import (
     fully_shard,
     replicate,
 )
-from fsdp2._core.seam import comm_device_type
+from fsdp2._core.front.seam import comm_device_type
 from fsdp2.fsdp1._mixed_precision import (
     LowPrecisionGrads,
     cast_buffers,

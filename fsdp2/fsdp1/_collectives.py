@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from fsdp2._core.seam import comm_device_type
+from fsdp2._core.front.seam import comm_device_type
 
 _T = TypeVar("_T")
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
-from fsdp2._core.seam import managed_params, on_backward_end
+from fsdp2._core.front.seam import managed_params, on_backward_end
 
 
 class LowPrecisionGrads:

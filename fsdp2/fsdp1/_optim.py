@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fsdp2._core.seam import managed_params
+from fsdp2._core.front.seam import managed_params
 from fsdp2.fsdp1._collectives import broadcast_tree, gather_full
 from fsdp2.fsdp1._state_dict import (
     OptimStateDictConfig,

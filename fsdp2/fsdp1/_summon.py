@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fsdp2 import FSDPModule
-from fsdp2._core.seam import managed_params
+from fsdp2._core.front.seam import managed_params
 from fsdp2.fsdp1._collectives import gather_full
 
 

@@ -153,7 +153,7 @@ def check_setup(model: Any, accumulation: int | None, setting: str) -> None:
     accumulation count) or the world size, before any collective."""
     if not _MODES.deterministic:
         return
-    from fsdp2._core.exact import is_power_of_two
+    from fsdp2._core.comm.exact import is_power_of_two
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     if accumulation is not None and world > 1 and not is_power_of_two(accumulation):
@@ -179,7 +179,7 @@ def wrap_optimizer(optimizer: Any) -> Any:
     parameters of HSDP modules; else itself."""
     if not _MODES.shard_over_replicas or not isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
-    from fsdp2._core.unsharded import REPLICA_MARK, sharded_owners
+    from fsdp2._core.support.unsharded import REPLICA_MARK, sharded_owners
     from fsdp2.replica_optim import shard_over_replicas
 
     if getattr(optimizer, REPLICA_MARK, False):
@@ -198,7 +198,7 @@ def deterministic_covers(params: list[torch.Tensor]) -> bool:
     takes ``fsdp2.reduction.clip_grad_norm_``)."""
     if not _MODES.deterministic:
         return False
-    from fsdp2._core.unsharded import sharded_of, sharded_owners
+    from fsdp2._core.support.unsharded import sharded_of, sharded_owners
 
     owners = sharded_owners()
     for p in params:

@@ -106,9 +106,10 @@ def _bridges(torch_objects: dict[str, Any]) -> dict[str, Any]:
                 if isinstance(m, torch_module_cls):
                     yield f"{type(root).__name__}{'.' + name if name else ''}"
 
-    def refusing_torch_models(ours: Any, torch_api: str) -> Any:
+    def refusing_torch_models(ours: Any, torch_api: str, theirs: Any) -> Any:
         """``ours`` (fsdp2's ``fully_shard`` / ``replicate``), refusing a tree part of which
-        torch's engine already manages."""
+        torch's engine already manages; ``theirs.state`` (torch's ``fully_shard.state(m)``,
+        which torch's own code calls on its modules) stays reachable through it."""
 
         @functools.wraps(ours)
         def bridge(module: Any, *args: Any, **kwargs: Any) -> Any:
@@ -125,6 +126,8 @@ def _bridges(torch_objects: dict[str, Any]) -> dict[str, Any]:
                 _frameworks.install()  # a framework imported since use_fsdp2 is here now
             return out
 
+        if hasattr(theirs, "state"):  # a torch module that copied the bridge still finds it
+            bridge.state = theirs.state  # type: ignore[attr-defined]
         return bridge
 
     @functools.wraps(fsdp2.register_fsdp_forward_method)
@@ -135,9 +138,13 @@ def _bridges(torch_objects: dict[str, Any]) -> dict[str, Any]:
             fsdp2.register_fsdp_forward_method(module, method_name)
 
     out: dict[str, Any] = {
-        "fully_shard": refusing_torch_models(fsdp2.fully_shard, "fully_shard"),
+        "fully_shard": refusing_torch_models(
+            fsdp2.fully_shard, "fully_shard", torch_objects["fully_shard"]
+        ),
         "register_fsdp_forward_method": register_fsdp_forward_method,
-        "replicate": refusing_torch_models(fsdp2.replicate, "fully_shard or replicate"),
+        "replicate": refusing_torch_models(
+            fsdp2.replicate, "fully_shard or replicate", torch_objects["replicate"]
+        ),
     }
     for name in (
         "FSDPModule",
@@ -205,7 +212,9 @@ class _Switch:
             for name in _names_in(mod.__name__):
                 if vars(mod).get(name) is self.bridges.get(name):
                     setattr(mod, name, self.torch_objects[name])
-        self._replace(self.bridges, self.torch_objects)
+        # torch's own modules too: one imported while the switch was on (torch's pipelining,
+        # imported by a framework) copied a bridge from torch's public module
+        self._replace(self.bridges, self.torch_objects, include_torch=True)
         if self.enabled_pipelining:
             pipelining.disable()
             self.enabled_pipelining = False
@@ -216,12 +225,13 @@ class _Switch:
             yield name, getattr(fsdp2, name)
 
     @staticmethod
-    def _replace(old: dict[str, Any], new: dict[str, Any]) -> None:
-        """In every loaded module outside torch and fsdp2, a global ``name`` that is
-        ``old[name]`` becomes ``new[name]``."""
+    def _replace(old: dict[str, Any], new: dict[str, Any], include_torch: bool = False) -> None:
+        """In every loaded module outside torch and fsdp2 (and torch's with
+        ``include_torch``), a global ``name`` that is ``old[name]`` becomes ``new[name]``."""
         for mod_name, mod in list(sys.modules.items()):
             ours = mod_name in _TORCH_MODULES or mod_name == _REPLICATE_MODULE
-            if mod_name.split(".")[0] in ("torch", "fsdp2") and not ours:
+            top = mod_name.split(".")[0]
+            if (top == "fsdp2" or (top == "torch" and not include_torch)) and not ours:
                 continue
             d = getattr(mod, "__dict__", None)
             if not isinstance(d, dict):

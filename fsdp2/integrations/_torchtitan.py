@@ -31,7 +31,7 @@ clip_grad_norm_`` and checkpoints the container through its flat, FQN-keyed ``st
   deterministic modules' sync: off during each micro-batch's ``loss_fn`` (the loss's own
   sync calls ignored), then on for its ``loss.backward()`` on the step's last micro-batch
   only. Each group reduces once, in the last decoder backward. Every chunk's backward is a
-  micro-batch to the mode (a leaf of [Note: canonical sum] in fsdp2/_core/exact.py), the
+  micro-batch to the mode (a leaf of [Note: canonical sum] in fsdp2/_core/comm/exact.py), the
   final norm's one more: ``fully_shard([norm, lm_head])`` sums ``loss.num_chunks + 1`` of
   them per micro-batch, which must be a power of two (1, 3, 7 chunks; checked at init);
 * ``clip_grad_norm_``, under the deterministic mode: ``fsdp2.reduction.clip_grad_norm_``,
@@ -47,8 +47,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp2._core.exact import is_power_of_two
-from fsdp2._core.unsharded import REPLICA_MARK
+from fsdp2._core.comm.exact import is_power_of_two
+from fsdp2._core.support.unsharded import REPLICA_MARK
 from fsdp2.integrations import _modes
 
 __all__ = ["ACCUMULATION", "SEAMS"]

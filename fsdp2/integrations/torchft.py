@@ -30,9 +30,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp2._core.module import FSDPModule
-from fsdp2._core.seam import managed_params
-from fsdp2._core.unsharded import REPLICA_MARK
+from fsdp2._core.front.module import FSDPModule
+from fsdp2._core.front.seam import managed_params
+from fsdp2._core.support.unsharded import REPLICA_MARK
 from fsdp2.optim import _sharded_like
 
 __all__ = ["wire"]

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp2._core.unsharded import sharded_owners
+from fsdp2._core.support.unsharded import sharded_owners
 
 Placement = Callable[[nn.Parameter], Shard | None]
 

@@ -2,7 +2,7 @@
 parameters registered by more than one module (tied embeddings), which ``to_empty`` unties;
 and the optimizer of ``estimate_memory(..., shard_over_replicas=True)``, whose gradients are
 held in pieces over HSDP's replicas (each ``.grad`` a ``PieceGrad`` whose local tensor is
-the piece, [Note: pieces as .grad] in fsdp2/_core/piece_grad.py)."""
+the piece, [Note: pieces as .grad] in fsdp2/_core/replicas/piece_grad.py)."""
 
 from __future__ import annotations
 

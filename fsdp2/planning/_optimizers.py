@@ -1,4 +1,4 @@
-"""Optimizers ``fsdp2 estimate`` (fsdp2/_cli_estimate.py) hands :func:`fsdp2.estimate_memory`
+"""Optimizers ``fsdp2 estimate`` (fsdp2/cli/_estimate.py) hands :func:`fsdp2.estimate_memory`
 for ``--optim-dtype`` and ``--optimizer muon``: builders ``params -> Optimizer`` whose state is
 what training keeps."""
 

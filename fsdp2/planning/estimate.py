@@ -27,10 +27,10 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp2._core.debug import is_debug, set_debug
-from fsdp2._core.observe import HUB
-from fsdp2._core.seam import compute_device
-from fsdp2._core.sharding import FSDPModule, fully_shard
+from fsdp2._core.front.seam import compute_device
+from fsdp2._core.front.sharding import FSDPModule, fully_shard
+from fsdp2._core.support.debug import is_debug, set_debug
+from fsdp2._core.support.observe import HUB
 from fsdp2.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdp2.planning import _experts, _fake, _held
 from fsdp2.planning.stage import stage_step

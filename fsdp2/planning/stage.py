@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fsdp2._core.sharding import FSDPModule
+from fsdp2._core.front.sharding import FSDPModule
 from fsdp2.planning.tracker import Tracker
 
 __all__ = ["stage_step"]

@@ -10,7 +10,7 @@ rank, with a one-line summary of where the step's time went.
 
 # [Note: timeline]
 # The block runs under ``torch.profiler`` (CPU, and CUDA when available) inside a
-# ``fsdp2::step`` range. fsdp2 labels its own work (see _core/labels.py): hooks
+# ``fsdp2::step`` range. fsdp2 labels its own work (see _core/support/labels.py): hooks
 # (``fsdp2::hook <kind> <module>``), and inside them collectives' issue and wait, the
 # all-gather copy-out and reshards. On the thread that ran the block:
 # * exposed comm: time inside an ``issue`` or ``wait`` label (the thread is stuck in a
@@ -23,7 +23,7 @@ rank, with a one-line summary of where the step's time went.
 # On CUDA the host view is what is measured (a host-side wait also stands for a stream
 # dependency); the GPU kernels are in the Chrome trace but not split into the summary.
 # The bytes of each collective come from the engine itself: the block subscribes an
-# observer ([Note: observation] in fsdp2/_core/observe.py) that adds up what this rank
+# observer ([Note: observation] in fsdp2/_core/support/observe.py) that adds up what this rank
 # sends into each collective it issues.
 """
 
@@ -40,8 +40,8 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
-from fsdp2._core.labels import PREFIX
-from fsdp2._core.observe import HUB, Collective, Observer
+from fsdp2._core.support.labels import PREFIX
+from fsdp2._core.support.observe import HUB, Collective, Observer
 
 __all__ = ["Timeline", "timeline"]
 

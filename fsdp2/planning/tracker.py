@@ -1,6 +1,6 @@
 """The dispatch mode that follows every storage of ``fsdp2.estimate_memory``'s simulated
 step, sorting it into parts, and the peak (see [Note: simulated step]). It is also an
-observer of the engine ([Note: observation] in fsdp2/_core/observe.py): the engine's
+observer of the engine ([Note: observation] in fsdp2/_core/support/observe.py): the engine's
 regions, resizes and taken gradients tell it what each storage is for.
 """
 
@@ -13,7 +13,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from fsdp2._core.observe import Observer
+from fsdp2._core.support.observe import Observer
 
 __all__ = ["PARTS", "Tracker", "sort_persistent"]
 
@@ -30,12 +30,12 @@ PARTS = (
 
 # [Note: simulated step]
 # Every storage the step creates gets a part when it is allocated, from where the
-# engine is: inside any of its labels (fsdp2/_core/labels.py: copy-in, all-gather, copy-out,
+# engine is: inside any of its labels (fsdp2/_core/support/labels.py: copy-in, all-gather, copy-out,
 # reshard, reduce-scatter, all-reduce) it is a communication buffer; in a forward it is
 # an activation; in a backward, outside the engine's labels, an activation's gradient
 # (counted with the activations); in the optimizer step, optimizer state (its temporaries
 # included); before the forward, "other" (the batch). The unsharded parameters are the
-# storages fsdp2 resizes (fsdp2/_core/storage.py tells the tracker). Two parts are known only
+# storages fsdp2 resizes (fsdp2/_core/params/storage.py tells the tracker). Two parts are known only
 # later, and move when they become known: a parameter's unsharded gradient (autograd
 # allocates it in the backward; it moves to "gradients (unsharded)" when the group's
 # post-backward hook takes it) and a reduce-scatter's output (moves to "gradients
@@ -166,7 +166,7 @@ class Tracker(TorchDispatchMode, Observer):
         elif move and part is not None:
             e.part = part
 
-    # -- what the engine tells its observers ([Note: observation] in fsdp2/_core/observe.py)
+    # -- what the engine tells its observers ([Note: observation] in fsdp2/_core/support/observe.py)
     def resized(self, t: torch.Tensor, owner: str) -> None:
         """fsdp2 resized an unsharded parameter storage of group ``owner``."""
         table = self.entries if t.device.type == self.device_type else self.host

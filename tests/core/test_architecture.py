@@ -1,15 +1,21 @@
 """The package's shape, read from its source with ``ast`` (one process, no collectives):
 
 * the import graph of ``fsdp2/`` has no cycle, counting imports under ``TYPE_CHECKING`` and
-  inside functions;
-* the layers of ``fsdp2/_core/`` import downwards only, in the order of ``LAYERS``: no
-  module below the group layer imports the group (so none can call a ``ParamGroup``
-  method), and the step layer does not import the state layer;
+  inside functions, and no import runs back up: the package's parts stand in ``FLOORS``
+  (the command line over the layers built on the engine over the public modules over the
+  engine), and a part imports only its own floor or those below;
+* ``fsdp2/_core/`` is in wings (``WINGS``, folders): each module in the wing its folder
+  says; a wing imports only itself and the wings below it; the engine's face
+  (``fsdp2/_core/__init__.py``) imports none of them; at most 10 files directly in
+  ``_core/`` and 12 in a wing;
+* inside the wings, the layers import downwards only, in the order of ``LAYERS``: no module
+  below the group layer imports the group (so none can call a ``ParamGroup`` method), and
+  the step layer does not import the state layer;
 * exactly one function issues all-gathers (``collectives.all_gather``): every call of an
   all-gather primitive (``all_gather_single`` / ``all_gather_into_tensor``, gloo's
   exchanges) is inside it, and every other module calls it; the same for reduce-scatters
   (``collectives.reduce_scatter``) and all-reduces (``collectives.all_reduce``);
-* no file in ``fsdp2/`` is over 500 lines;
+* no file in ``fsdp2/`` or ``benchmarks/`` is over 500 lines;
 * no one-letter aliases of fsdp2's modules (``from fsdp2._core import collectives as C``).
 """
 
@@ -23,26 +29,58 @@ import fsdp2
 
 PACKAGE = pathlib.Path(fsdp2.__file__).parent
 
-# fsdp2/_core from top to bottom: a module may import only modules of its own layer or
-# below (within a layer: no cycle, checked by the cycle test).
+# fsdp2/_core's wings, from the top down: a wing imports its own modules and the wings below.
+WINGS = ["front", "runtime", "replicas", "params", "comm", "support"]
+
+# Inside the wings, the layers from the top down: a module imports its own layer or below
+# (within a layer: no cycle, checked by the cycle test). Each wing is a run of layers.
 LAYERS = [
-    ["replicate", "piece_state"],
-    ["sharding", "module", "seam", "state_dict"],
-    ["state", "tree_checks", "placement"],
-    ["step", "relayout", "higher_order"],
-    ["slot"],
-    ["reduce"],
-    ["piece_grad"],
-    ["pieces"],
-    ["group"],
-    ["layout", "small_shard"],
-    ["param", "extension"],
-    ["collectives"],
-    ["gloo", "transport", "exact"],
-    ["mesh", "settings", "storage", "labels", "debug", "unsharded", "clean_exit", "pipeline"],
-    ["observe", "compat"],
+    ["front.replicate"],
+    ["front.sharding", "front.module", "front.seam", "front.state_dict", "front.pipelining"],
+    ["runtime.state", "runtime.tree_checks"],
+    ["runtime.step", "runtime.relayout", "runtime.higher_order"],
+    ["runtime.slot"],
+    ["runtime.reduce"],
+    ["replicas.piece_state"],
+    ["replicas.piece_grad"],
+    ["replicas.pieces"],
+    ["params.group"],
+    ["params.layout", "params.small_shard", "params.placement"],
+    ["params.param", "params.extension"],
+    ["params.storage"],
+    ["comm.collectives"],
+    ["comm.gloo", "comm.transport", "comm.exact"],
+    [
+        "support.mesh",
+        "support.settings",
+        "support.labels",
+        "support.debug",
+        "support.unsharded",
+        "support.clean_exit",
+        "support.pipeline",
+    ],
+    ["support.observe", "support.compat"],
 ]
-BELOW_GROUP = {m for layer in LAYERS[LAYERS.index(["group"]) + 1 :] for m in layer}
+GROUP = "params.group"
+BELOW_GROUP = {m for layer in LAYERS[LAYERS.index([GROUP]) + 1 :] for m in layer}
+
+# The package's parts, from the top floor down: a part imports its own floor or below (no
+# arrow runs back up). A part is a top-level module or folder of fsdp2/.
+FLOORS = [
+    ["__main__"],
+    ["cli"],
+    ["integrations", "fsdp1"],
+    ["memory", "profiling", "planning"],
+    ["reduction", "checkpoint"],
+    ["replica_optim", "clip", "fsdp2"],  # the package's face: ``fsdp2/__init__.py``
+    ["optim"],
+    ["_core", "models"],
+    ["muon", "api"],
+]
+# The face re-exports the planning and checkpoint layers at first use (``_LAZY``, PEP 562):
+# imported by name from the face's ``__getattr__`` and under ``TYPE_CHECKING``, not when the
+# face runs.
+LAZY = {("fsdp2", "planning"), ("fsdp2", "checkpoint")}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -104,10 +142,64 @@ def test_no_import_cycle() -> None:
             visit(m)
 
 
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "fsdp2"
+
+
+def test_no_import_runs_back_up() -> None:
+    floor = {p: i for i, parts in enumerate(FLOORS) for p in parts}
+    graph = _graph()
+    assert {_part(m) for m in graph} == set(floor), {_part(m) for m in graph} ^ set(floor)
+    bad = []
+    for m, deps in graph.items():
+        for d in deps:
+            a, b = _part(m), _part(d)
+            if floor[b] < floor[a] and (a, b) not in LAZY:
+                bad.append(f"{m} imports {d}: {b} stands above {a}")
+    assert not bad, bad
+
+
+def _wing(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 and parts[1] == "_core" else None
+
+
+def test_core_is_in_wings_importing_downwards() -> None:
+    core = PACKAGE / "_core"
+    top = sorted(p.name for p in core.iterdir() if p.suffix == ".py")
+    assert len(top) <= 10, top
+    assert sorted(p.name for p in core.iterdir() if p.is_dir() and p.name != "__pycache__") == (
+        sorted(WINGS)
+    )
+    for wing in WINGS:
+        files = sorted(p.name for p in (core / wing).glob("*.py"))
+        assert "__init__.py" in files and len(files) <= 12, (wing, files)
+        face = ast.get_docstring(ast.parse((core / wing / "__init__.py").read_text()))
+        assert face and "Imports:" in face, f"_core/{wing}/__init__.py says what it may import"
+    rank = {w: i for i, w in enumerate(WINGS)}
+    bad = []
+    for m, deps in _graph().items():
+        if m == "fsdp2._core":
+            bad += [f"the engine's face imports {d}" for d in deps if d.startswith("fsdp2._core")]
+        w = _wing(m)
+        if w is None:
+            continue
+        for d in deps:
+            dw = _wing(d)
+            if dw is not None and rank[dw] < rank[w]:
+                bad.append(f"{m} imports {d}: the {dw} wing stands above {w}")
+            if d.startswith("fsdp2.") and not d.startswith("fsdp2._core") and d != "fsdp2.api":
+                bad.append(f"{m} imports {d}, outside the engine")
+    assert not bad, bad
+
+
 def test_core_layers_import_downwards() -> None:
     layer_of = {f"fsdp2._core.{m}": i for i, layer in enumerate(LAYERS) for m in layer}
-    core = {m for m in _modules() if m.startswith("fsdp2._core.")}
+    core = {m for m in _modules() if _wing(m) is not None}
     assert core == set(layer_of), f"modules missing from LAYERS: {core ^ set(layer_of)}"
+    for m in layer_of:
+        assert LAYERS[layer_of[m]][0].split(".")[0] == _wing(m), f"{m}: a layer of another wing"
     bad = []
     for m, deps in _graph().items():
         if m not in layer_of:
@@ -118,8 +210,8 @@ def test_core_layers_import_downwards() -> None:
     assert not bad, bad
     graph = _graph()
     for m in BELOW_GROUP:  # nothing below the group can name it, so none calls its methods
-        assert "fsdp2._core.group" not in graph[f"fsdp2._core.{m}"], m
-        tree = ast.parse((PACKAGE / "_core" / f"{m}.py").read_text())
+        assert f"fsdp2._core.{GROUP}" not in graph[f"fsdp2._core.{m}"], m
+        tree = ast.parse((PACKAGE / "_core" / (m.replace(".", "/") + ".py")).read_text())
         names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
         names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
         assert "ParamGroup" not in names, m
@@ -167,8 +259,12 @@ def _is(callee: str, primitives: set[str]) -> bool:
 
 def test_one_function_issues_each_collective() -> None:
     modules = _modules()
-    entry = "fsdp2._core.collectives"
-    transports = {"fsdp2._core.gloo", "fsdp2._core.compat", "fsdp2._core.transport"}
+    entry = "fsdp2._core.comm.collectives"
+    transports = {
+        "fsdp2._core.comm.gloo",
+        "fsdp2._core.support.compat",
+        "fsdp2._core.comm.transport",
+    }
     calls = {
         name: list(_calls(ast.parse(path.read_text())))
         for name, path in modules.items()
@@ -195,8 +291,9 @@ def test_one_function_issues_each_collective() -> None:
 
 def test_no_file_over_500_lines() -> None:
     long = {
-        str(p.relative_to(PACKAGE)): n
-        for p in PACKAGE.rglob("*.py")
+        str(p.relative_to(PACKAGE.parent)): n
+        for root in (PACKAGE, PACKAGE.parent / "benchmarks")
+        for p in root.rglob("*.py")
         if (n := len(p.read_text().splitlines())) > 500
     }
     assert not long, long

@@ -333,7 +333,7 @@ def test_cpu_offload_with_gradient_accumulation(pin: bool) -> None:
 
 
 def _backend_alloc() -> bool:
-    from fsdp2._core.transport import BackendAlloc
+    from fsdp2._core.comm.transport import BackendAlloc
 
     mesh = one_rank_mesh()
     device = torch.device("cuda", 0)

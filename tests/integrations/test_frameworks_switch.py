@@ -279,3 +279,30 @@ def test_docs_snippets_run() -> None:
 
             AcceleratorState._reset_state(True)
             GradientState._reset_state()
+
+
+def test_torch_modules_imported_while_on_keep_torchs_engine() -> None:
+    """A torch module imported while the switch is on (torch's pipelining, imported by a
+    framework) copies the bridge from torch's public module: torch's own calls on it
+    (``fully_shard.state(module)``, in ``PipelineStage.perform_reduce_grad``) still reach
+    torch's, and ``restore_torch_fsdp`` gives it torch's object back."""
+    import sys
+    import types
+
+    import torch.distributed.fsdp as torch_fsdp
+
+    torch_fully_shard = torch_fsdp.fully_shard
+    with using_fsdp2():
+        copy = types.ModuleType("torch._fsdp2_switch_test")
+        exec("from torch.distributed.fsdp import fully_shard", copy.__dict__)
+        sys.modules[copy.__name__] = copy
+        try:
+            assert copy.fully_shard is not torch_fully_shard
+            assert copy.fully_shard.state is torch_fully_shard.state
+        except BaseException:
+            del sys.modules[copy.__name__]
+            raise
+    try:
+        assert copy.fully_shard is torch_fully_shard
+    finally:
+        del sys.modules[copy.__name__]

@@ -49,7 +49,7 @@ from pipeline_models import (
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import fsdp2
-from fsdp2._core.pipeline import opt_out
+from fsdp2._core.support.pipeline import opt_out
 from fsdp2.integrations import pipelining
 
 ROWS = 8  # rows per data-parallel rank per step (2 per micro-batch)

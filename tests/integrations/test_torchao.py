@@ -2,9 +2,9 @@
 
 torchao (a test extra, pinned in pyproject.toml) converts ``nn.Linear`` weights into tensor
 subclasses that implement torch's FSDP2 all-gather extension hooks (see [Note: all-gather
-extensions] in fsdp2/_core/extension.py). Each case builds the same model twice in one worker,
-converts it with torchao, shards it with ``fsdp2.fully_shard`` and with torch's, trains both
-on the same data with AdamW and checks, every step, that the rank-averaged losses are
+extensions] in fsdp2/_core/params/extension.py). Each case builds the same model twice in one
+worker, converts it with torchao, shards it with ``fsdp2.fully_shard`` and with torch's, trains
+both on the same data with AdamW and checks, every step, that the rank-averaged losses are
 bitwise equal (and close to an unsharded reference trained on the global batch, where one
 exists), and at the end that the full parameters are bitwise equal. Cases:
 

@@ -306,7 +306,7 @@ def _sum_reduction_for_torch() -> None:
     def disable_fsdp_gradient_division(model: nn.Module) -> None:
         disable(model)
         for m in model.modules():
-            if isinstance(m, TorchFSDPModule) and type(m).__module__ != "fsdp2._core.module":
+            if isinstance(m, TorchFSDPModule) and type(m).__module__ != "fsdp2._core.front.module":
                 m.set_force_sum_reduction_for_comms(True)
 
     tt_fsdp.disable_fsdp_gradient_division = disable_fsdp_gradient_division

@@ -11,7 +11,7 @@ within 10% of the peak measured with benchmarks/_memory.py. The cases cover a ti
 untied models, bf16 and fp32 configs, mixed precision on and off, activation checkpointing
 on and off.
 
-And the scaled estimate ([Note: scaled estimates] in fsdp2/_cli_estimate.py) agrees with
+And the scaled estimate ([Note: scaled estimates] in fsdp2/cli/_estimate.py) agrees with
 the whole model's simulation within 2% at real size for the Mixtral and the tied Qwen2.5
 config (the others: docs/cli.md; a short sequence keeps the whole-model runs quick).
 """

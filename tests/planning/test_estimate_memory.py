@@ -32,7 +32,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
-from fsdp2._core.observe import HUB
+from fsdp2._core.support.observe import HUB
 from fsdp2.models import Llama, LlamaConfig
 from fsdp2.planning.estimate import PARTS
 

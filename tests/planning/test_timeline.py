@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import fsdp2
 from fsdp2 import fully_shard
-from fsdp2._core.labels import _OFF, label
+from fsdp2._core.support.labels import _OFF, label
 from fsdp2.models.llama import Llama, LlamaConfig
 
 LAYERS = 3

@@ -77,7 +77,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 import fsdp2
 from fsdp2 import reduction
-from fsdp2._core.unsharded import sharded_of
+from fsdp2._core.support.unsharded import sharded_of
 from fsdp2.replica_optim import shard_over_replicas
 
 IN, DIM, HIDDEN, OUT = 5, 6, 7, 3

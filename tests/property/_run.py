@@ -25,7 +25,7 @@ call for is different: it is raised at once, past hypothesis (``Unexpected``).
 # dtype rounds by half an ulp of a partial sum, plus one rounding for a division by a world
 # size that is not a power of two. fp32 runs get the same bound with fp32's epsilon, i.e.
 # tight. The reference then steps its masters on fsdp2's gradients (teacher forcing, as
-# tests/core/test_mixed_precision.py does), so that a gradient rounded the other way cannot
+# tests/core/params/test_mixed_precision.py does), so that a gradient rounded the other way cannot
 # flip AdamW's first update; each step's gradients are still checked against its own.
 """
 
@@ -48,7 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import fsdp2
-from fsdp2._core.observe import HUB, Collective, Observer
+from fsdp2._core.support.observe import HUB, Collective, Observer
 
 STEPS = 2
 ROWS_PER_RANK = 2

@@ -24,7 +24,7 @@ def test_bucketed_reduce_of_bf16_and_fp32_gradients(world_size: int) -> None:
     """A bf16 group (``reduce_dtype=fp32``) and an fp32 group bucketed into one
     reduce-scatter: both reduce in fp32, so ``bucket_key`` put them together, and packing
     their gradients (bf16 and fp32) raised "_chunk_cat expects all input tensors with the
-    same dtype" in backward. Fixed in fsdp2/_core/reduce.py (``bucket_key`` includes
+    same dtype" in backward. Fixed in fsdp2/_core/runtime/reduce.py (``bucket_key`` includes
     ``param_dtype``)."""
     root = Node(
         bias=False,
@@ -60,5 +60,5 @@ def test_scalar_parameter_replicas_get_the_same_gradient() -> None:
     the reduce-scatter, and each slot is summed in another order: rank 1's copy of
     ``kids.1.e1`` (0-dim, reduce_dtype=bf16) got 0.53125 where ranks 0 and 2 got 0.52734375
     after step 0, and rank 1's next loss differed from the reference. Fixed in
-    fsdp2/_core/reduce.py (``_agree_on_scalars``: every rank takes shard rank 0's sum)."""
+    fsdp2/_core/runtime/reduce.py (``_agree_on_scalars``: every rank takes shard rank 0's sum)."""
     _check(3, _SCALAR_REPLICAS)

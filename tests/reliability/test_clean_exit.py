@@ -5,7 +5,7 @@ its groups) and a last collective whose tensors the caller dropped (``all_gather
 the end of a checkpoint save) made the process abort at interpreter exit about one run in
 two: gloo's worker thread drops the tensors after the caller did, needs the GIL for it, and
 is ended mid-destructor once finalization starts ([Note: clean exit] in
-fsdp2/_core/clean_exit.py). ``fully_shard`` installs an ``atexit`` handler that lets such
+fsdp2/_core/support/clean_exit.py). ``fully_shard`` installs an ``atexit`` handler that lets such
 workers finish first.
 
 * ``test_script_exits_cleanly``: that pattern, launched several times with ``torchrun`` on
@@ -28,7 +28,8 @@ import time
 
 import fsdp2
 import fsdp2.checkpoint
-from fsdp2._core import clean_exit, sharding
+from fsdp2._core.front import sharding
+from fsdp2._core.support import clean_exit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCHES = 6
@@ -39,7 +40,7 @@ SCRIPT = textwrap.dedent(
     import torch, torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from fsdp2 import fully_shard
-    from fsdp2._core import clean_exit
+    from fsdp2._core.support import clean_exit
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))

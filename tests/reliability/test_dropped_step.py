@@ -7,7 +7,7 @@ an unwaited send or receive made a later collective hang: in CI, a test whose re
 raised was followed by the ``reset_iter_state`` test in the same workers, and that test's
 first all-gather hung 4 times in about 11 runs. Once the works were kept alive it passed
 18 runs in 18. fsdp2 now keeps such works (and their tensors) and waits for them at its
-next exchange ([Note: dropped exchanges] in fsdp2/_core/gloo.py).
+next exchange ([Note: dropped exchanges] in fsdp2/_core/comm/gloo.py).
 
 * ``test_dropped_exchange_is_kept_and_waited`` checks the mechanism: a 2-rank
   reduce-scatter by exchange, dropped unwaited, keeps its works in ``gloo._DROPPED``. The
@@ -35,7 +35,7 @@ from _harness import run_on_ranks
 from helpers import ENGINES, check_grads, check_params, check_same, grads_of, mine, world_mesh
 from models import MLPStack, make_optimizer, shard_model
 
-from fsdp2._core import gloo
+from fsdp2._core.comm import gloo
 
 _DIMS = (48, 48, 48, 48, 48)
 

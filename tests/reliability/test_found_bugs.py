@@ -9,7 +9,7 @@ where torch has the feature. 2 gloo CPU ranks, ``MLPStack`` from ``helpers.NAME`
 * A 2D mesh without ``mesh_dim_names``: torch's ``fully_shard`` refuses it (an
   ``AssertionError``), fsdp2 raises ``ValueError`` naming ``mesh_dim_names`` and the fix,
   before any collective (only rank 0 calls it); the same mesh with names trains
-  (see [Note: unnamed 2D meshes] in fsdp2/_core/mesh.py).
+  (see [Note: unnamed 2D meshes] in fsdp2/_core/support/mesh.py).
 * ``save_full_checkpoint`` of a Hugging Face model writes its ``config.json`` beside the
   weights, so ``from_pretrained(path)`` builds the saved model (here a tiny Llama, hidden
   size 32), not transformers' default configuration (a 7B Llama, which was OOM-killed);

@@ -19,7 +19,7 @@ that still catches per-step growth).
 dropped, ``REBUILDS`` times in one process: afterwards no more process groups, live meshes,
 fsdp2 mesh caches, live ``FSDPModule`` objects or global module hooks than after the first
 rebuild, and resident memory flat. (This found a leak: fsdp2 kept every mesh's cache, and
-with it the mesh, in a global map; see [Note: mesh caches] in fsdp2/_core/mesh.py.)
+with it the mesh, in a global map; see [Note: mesh caches] in fsdp2/_core/support/mesh.py.)
 
 CI runs a tiny model (``TINY``) for ``STEPS`` steps; ``FSDP2_LONG=1`` runs the example's
 default model (``EXAMPLE``: dim 192, 4 layers, 6 heads, 128-token sequences, 8 per rank)

@@ -1,0 +1,278 @@
+"""A group's layout after ``fully_shard``: parameters that change under it.
+
+Users and torch replace what a group laid out: ``nn.Module._apply`` (``to_empty``,
+``.to(device or dtype)``) swaps the sharded parameters' local tensors,
+``load_state_dict(assign=True)`` or an assignment registers new parameter objects, and
+all-gather hooks may be patched onto local tensors. These functions bring the group back
+to [Note: flat storage] (in param.py) through its public methods, keeping parameter
+objects (so optimizers built in between stay valid). Above the group: lazy init (state.py),
+the state-dict hooks, ``FSDPModule._apply`` and the step's start (step.py) call these.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fsdp2._core.params.extension import extension_of
+from fsdp2._core.params.param import FSDPParam
+
+if TYPE_CHECKING:
+    from fsdp2._core.params.group import ParamGroup
+
+
+def adopt_registered(group: ParamGroup) -> None:
+    """Take parameters registered in place of the group's sharded ones as the new
+    sharded parameters, and move their values into the flat buffer.
+
+    Runs after ``load_state_dict(assign=True)`` (a post-hook per owner module) and at
+    lazy init (a parameter replaced after ``fully_shard``, e.g. ``module.weight =
+    nn.Parameter(...)`` after ``to_empty``). The new parameter must be a DTensor with the
+    sharded parameter's placements and local shape (ValueError otherwise, naming it).
+    The flat buffer is rebuilt once none of the group's parameters is half-loaded (some
+    still on meta while others are not), so loading module by module works: until then
+    the adopted parameters' local tensors stay where they are, and ``resync_after_apply``
+    (a no-op when every local tensor is in the flat buffer) moves them in later.
+    """
+    changed = False
+    for p in group.params:
+        m, n = p.owners[0]
+        cur: torch.Tensor | None = m._parameters.get(n)
+        if cur is None or cur is p.sharded or cur is p.unsharded:
+            continue
+        new = _as_sharded(p, cur)
+        # the mark fully_shard put on the sharded parameter (fsdp2.muon's guard reads it)
+        new.__dict__["_fsdp2_managed_by"] = p.sharded.__dict__.get("_fsdp2_managed_by", group.name)
+        p.sharded = new
+        for m2, n2 in p.owners:
+            m2._parameters[n2] = new  # type: ignore[assignment]  # a DTensor Parameter
+        if new.requires_grad != p.requires_grad:
+            p.requires_grad = new.requires_grad
+            if p.unsharded is not None:
+                p.unsharded.requires_grad_(new.requires_grad)
+        changed = True
+    if changed:
+        group.refresh_registrations()
+    if len({p.sharded.is_meta for p in group.params}) == 1:  # not half-loaded
+        resync_after_apply(group)
+
+
+def before_forward(group: ParamGroup) -> None:
+    """A forward is about to use ``group`` (its root's step begins, or its module runs
+    outside the root's forward): follow ``requires_grad_`` calls ([Note: freezing]), take
+    over a group ``unshard()`` left unsharded, and reshard one whose unsharded values are
+    older than its sharded parameters, so that the forward gathers the new ones ([Note:
+    stale unsharded] in group.py), and lay out a group converted in part since ([Note:
+    conversion across modules]). Issues no collective; may raise (``ValueError``)."""
+    if group.resync_pending:
+        _check_converted(group)
+    sync_requires_grad(group)
+    if group.stale():
+        group.reshard()
+
+
+def sync_requires_grad(group: ParamGroup) -> None:
+    """Follow ``requires_grad_`` calls made since the last step ([Note: freezing]).
+
+    Runs before a forward uses the group (``before_forward``). Cheap when nothing changed:
+    a flag read or two per parameter (about 12 us per 100 parameters).
+
+    [Note: freezing]
+    ``module.requires_grad_(False)`` after ``fully_shard`` flips the flag of whatever its
+    ``parameters()`` give: the sharded DTensors (between steps), or, where only the
+    registered tensors are reachable (a plain submodule while its group is unsharded), the
+    unsharded ones. The unsharded parameter is what forward uses, so autograd saw the old
+    flag and the frozen weights kept training (0.09 from the replica after 5 steps). Here
+    either face's new flag is copied to the other and to ``FSDPParam.requires_grad``, and
+    the group's trainable list is rebuilt. A parameter frozen between no-sync micro-steps
+    may hold an unreduced gradient, as the replica keeps its ``.grad``: it stays among the
+    group's gradient parameters (``draining``) until the next synced reduction took it. A
+    frozen parameter of another dtype than its group's trainable ones cannot be unfrozen
+    (gradients are reduced in one dtype): ``ValueError``, before any collective.
+    """
+    changed = False
+    for p in group.params:
+        new = p.sharded.requires_grad
+        if new is p.requires_grad:
+            u = p.unsharded
+            if u is None or u.requires_grad is new:
+                continue
+            new = u.requires_grad  # flipped on the unsharded parameter (registered now)
+        if new and p.sharded.dtype != group.orig_dtype:
+            raise ValueError(
+                f"parameter {p.fqn} ({p.sharded.dtype}) was made trainable after "
+                f"fully_shard({group.name}), whose trainable parameters are "
+                f"{group.orig_dtype}: their gradients are reduced together in one dtype. "
+                "Cast it to that dtype, or shard its module in a fully_shard call of its own"
+            )
+        p.requires_grad = new
+        if not new:
+            group.draining.append(p)  # may hold gradients not reduced yet (no sync)
+        elif p in group.draining:
+            group.draining.remove(p)
+        if p.sharded.requires_grad is not new:
+            p.sharded.requires_grad_(new)
+        if p.unsharded is not None and p.unsharded.requires_grad is not new:
+            p.unsharded.requires_grad_(new)
+        changed = True
+    if changed:
+        group.refresh_registrations()
+
+
+def _as_sharded(p: FSDPParam, cur: torch.Tensor) -> DTensor:
+    """``cur``, registered where ``p``'s sharded parameter was, checked to serve as
+    ``p``'s new sharded parameter."""
+    want = tuple(p.sharded.placements)
+    if not isinstance(cur, DTensor):
+        # Not adopted by sharding it into a new object: an optimizer built in between
+        # would hold the plain tensor, which would then silently not train.
+        raise ValueError(
+            f"parameter {p.fqn} was replaced after fully_shard by a plain "
+            f"{type(cur).__name__} of shape {tuple(cur.shape)}; a sharded model needs a "
+            f"DTensor there (placements {want}), e.g. nn.Parameter(distribute_tensor(t, "
+            "old.device_mesh, old.placements)), or copy the values into the existing "
+            "parameter: with torch.no_grad(): old.copy_(distribute_tensor(t, "
+            "old.device_mesh, old.placements))"
+        )
+    local, old_local = cur._local_tensor, p.sharded._local_tensor
+    if tuple(cur.placements) != want or local.shape != old_local.shape:
+        raise ValueError(
+            f"parameter {p.fqn} was replaced (load_state_dict(assign=True) or "
+            f"assignment) by a DTensor with placements {tuple(cur.placements)} and local "
+            f"shape {tuple(local.shape)}; fsdp2 needs placements {want} and "
+            f"local shape {tuple(old_local.shape)} (or a full tensor)"
+        )
+    if p.ext is not None and type(local) is not type(old_local):
+        raise ValueError(
+            f"load_state_dict(assign=True) put a DTensor of {type(local).__qualname__} at "
+            f"{p.fqn}, which is a {type(old_local).__qualname__} parameter; assigning "
+            "would drop the tensor subclass. Load without assign=True (values are "
+            "copied into the subclass) or assign values of the same subclass"
+        )
+    if getattr(cur, "_is_param", False):
+        return cur
+    param = nn.Parameter(cur, cur.requires_grad)  # a detached DTensor flagged as a Parameter
+    assert isinstance(param, DTensor)
+    return param
+
+
+def resync_after_apply(group: ParamGroup) -> None:
+    """After ``nn.Module._apply`` (``to_empty``, ``.to(device or dtype)``) swapped the
+    sharded params' local tensors, move them back into a flat buffer (of the new
+    device/dtype) so [Note: flat storage] holds again. Parameter objects keep their
+    identity. A group converted in part waits for the rest of its modules ([Note:
+    conversion across modules]).
+
+    [Note: conversion across modules]
+    ``fully_shard([a, b])`` makes one group over modules that ``_apply`` converts one after
+    the other: ``model.to_empty()`` runs ``a._apply`` (whose ``FSDPModule._apply`` resyncs
+    its groups) while ``b``'s parameters are still on meta (torchtitan's
+    ``fully_shard([model.norm, model.lm_head])``). Laying the group out then would copy out
+    of meta tensors, and after ``model.to(dtype)`` would mix dtypes in one buffer. So a
+    group whose flat parameters' local tensors disagree in dtype or device is left as it
+    is and marked ``resync_pending``; the conversion of its last module finds them agreeing
+    and lays it out once (torch's engine resets each parameter at its own module's
+    ``_apply``: the same end state). A group still disagreeing when a forward uses it (only
+    some of its modules were converted) raises ``ValueError`` naming its parameters, in
+    ``before_forward``, before any collective.
+    """
+    _resync_ext(group)
+    if not group.flat_params:
+        group.resync_pending = False
+        return
+    locals_ = [p.sharded._local_tensor for p in group.flat_params]
+    if len({(t.dtype, t.device) for t in locals_}) > 1:
+        group.resync_pending = True  # the conversion of its other modules is to come
+        return
+    group.resync_pending = False
+    flat = group.sharded_flat
+    storage = flat.untyped_storage()._cdata  # its identity (fake tensors have no data_ptr)
+    if all(
+        t.dtype == flat.dtype
+        and t.device == flat.device
+        and (t.is_meta or t.untyped_storage()._cdata == storage)
+        for t in locals_
+    ):
+        return
+    dtype, device = locals_[0].dtype, locals_[0].device
+    group.retype(dtype)
+    group.relayout(dtype, device)
+
+
+def _check_converted(group: ParamGroup) -> None:
+    """A forward is about to use a group left converted in part ([Note: conversion across
+    modules]): lay it out if its modules' conversions have all run since, else raise."""
+    resync_after_apply(group)
+    if not group.resync_pending:
+        return
+    kinds: dict[tuple[torch.dtype, torch.device], list[str]] = {}
+    for p in group.flat_params:
+        t = p.sharded._local_tensor
+        kinds.setdefault((t.dtype, t.device), []).append(p.fqn)
+    listing = "; ".join(
+        f"{dtype} on {device}: {', '.join(names[:4])}" + (" ..." if len(names) > 4 else "")
+        for (dtype, device), names in kinds.items()
+    )
+    raise ValueError(
+        f"fully_shard({group.path}): a conversion (to_empty, .to, .half, ...) reached only some "
+        f"of the modules or parameters of this fully_shard call, whose parameters now differ "
+        f"({listing}). Convert all of them alike, e.g. through their common parent "
+        "(model.to_empty(device=...), model.to(dtype))"
+    )
+
+
+def _resync_ext(group: ParamGroup) -> None:
+    """Extension parameters whose local tensor changed (``to_empty``, ``.to``,
+    ``assign=True``) get a fresh all-gather layout and unsharded parameter."""
+    changed = False
+    for p in group.ext_params:
+        assert p.ext is not None
+        p.spec = p.sharded._spec
+        if not p.ext.stale(p.sharded._local_tensor):
+            continue
+        p.ext.free(group.path)
+        p.ext.reset()
+        p.unsharded = None
+        changed = True
+    if changed:
+        group.refresh_registrations()
+    dtypes = {p.sharded.dtype for p in group.params}
+    if not group.flat_params and len(dtypes) == 1:
+        group.retype(dtypes.pop())
+
+
+def hooks_patched(group: ParamGroup) -> bool:
+    """Whether a flat parameter's local tensor was given all-gather hooks."""
+    return any(hasattr(p.sharded._local_tensor, "fsdp_pre_all_gather") for p in group.flat_params)
+
+
+def adopt_patched_hooks(group: ParamGroup) -> None:
+    """Plain parameters whose local tensor was given the all-gather hooks after
+    ``fully_shard`` (as instance attributes, e.g. after ``to_empty``) become extension
+    parameters: their local tensor objects (which carry the hooks) get storage of their
+    own and the flat buffer is rebuilt without them. Runs at lazy init and, while the
+    group is sharded, when a step's forward begins (``hooks_patched`` is the cheap
+    test)."""
+    patched = [
+        p for p in group.flat_params if hasattr(p.sharded._local_tensor, "fsdp_pre_all_gather")
+    ]
+    if not patched:
+        return
+    for p in patched:
+        local = p.sharded._local_tensor
+        if p.is_scalar or p.shard_dim != 0:
+            raise NotImplementedError(
+                f"parameter {p.fqn} was given all-gather hooks, but fsdp2 applies them "
+                "only to parameters sharded on dim 0 (not 0-dim ones)"
+            )
+        p.ext = extension_of(local, p.fqn)
+        with torch.no_grad():
+            local.data = local.detach().clone()  # the object keeps its hooks
+        p.unsharded = None
+        p.offset = -1
+    group.split_params()
+    group.relayout(group.sharded_flat.dtype, group.sharded_flat.device)
+    group.refresh_registrations()
