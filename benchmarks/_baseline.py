@@ -7,7 +7,9 @@ put first on ``sys.path``, DIR's ``fsdp2`` and every one of its submodules are i
 each ``from fsdp2... import`` inside it binds DIR's modules), then all of them are renamed
 ``fsdp2_baseline...`` and this checkout's modules put back. What the baseline imports later
 (inside a function, at run time) would bind this checkout's modules instead, so a baseline
-with such an import is refused: ``runtime_fsdp2_imports`` lists them.
+with such an import on the training path (the engine and the modules a training step uses:
+``TRAINING``) is refused: ``runtime_fsdp2_imports`` lists them. The command line, planning,
+checkpoints and integrations may import late; a benchmark does not call them.
 """
 
 from __future__ import annotations
@@ -28,15 +30,23 @@ def _is_fsdp2(name: str) -> bool:
     return name == "fsdp2" or name.startswith("fsdp2.")
 
 
+# the baseline's files a training step runs: the engine, the face and what it imports
+TRAINING = ("_core", "muon", "__init__.py", "api.py", "optim.py", "clip.py")
+
+
 def runtime_fsdp2_imports(root: str) -> list[str]:
-    """``file:line`` of every absolute ``fsdp2`` import inside a function of ``root``/fsdp2
-    (outside ``if TYPE_CHECKING:``): run after loading, it would bind the wrong package."""
+    """``file:line`` of every absolute ``fsdp2`` import inside a function of the training
+    path of ``root``/fsdp2 (``TRAINING``): run after loading, it would bind the wrong
+    package."""
     found = []
     for dirpath, _, files in os.walk(os.path.join(root, "fsdp2")):
         for name in sorted(files):
             if not name.endswith(".py"):
                 continue
             path = os.path.join(dirpath, name)
+            part = os.path.relpath(path, os.path.join(root, "fsdp2")).split(os.sep)[0]
+            if part not in TRAINING:
+                continue
             with open(path, encoding="utf-8") as f:
                 tree = ast.parse(f.read(), path)
             for fn in ast.walk(tree):
@@ -74,7 +84,8 @@ def load_baseline(root: str) -> types.ModuleType:
     try:
         package = importlib.import_module("fsdp2")
         for info in pkgutil.walk_packages(package.__path__, "fsdp2."):
-            importlib.import_module(info.name)
+            if info.name.rpartition(".")[2] != "__main__":  # a command: it would run
+                importlib.import_module(info.name)
         theirs = {k: v for k, v in sys.modules.items() if _is_fsdp2(k)}
     finally:
         sys.path.remove(os.path.abspath(root))

@@ -311,3 +311,44 @@ def test_no_one_letter_module_aliases() -> None:
                     if a.asname is not None and len(a.asname) == 1:
                         bad.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {a.asname}")
     assert not bad, bad
+
+
+def test_the_docs_map_matches_the_tree() -> None:
+    """docs/architecture.md's table of files names every file of ``fsdp2/`` and no other, and
+    its map names every wing."""
+    import re
+
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    table = page[page.index("## Files") :]
+    table = table[: table.index("\n## ")]
+    listed: set[str] = set()
+    for line in table.splitlines():
+        if not line.startswith("| `"):
+            continue
+        first = line.split("|")[1]
+        for path in re.findall(r"`([\w/<>.]+\.py)`", first):
+            wings = WINGS if "<wing>" in path else [""]
+            listed |= {path.replace("<wing>", w) for w in wings}
+    actual = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")}
+    assert not actual - listed, f"files missing from docs/architecture.md: {actual - listed}"
+    assert not listed - actual, f"docs/architecture.md lists no such files: {listed - actual}"
+    the_map = page[page.index("## The map") : page.index("## What each layer calls")]
+    for wing in WINGS:
+        assert f"{wing}/" in the_map, f"the map does not show the {wing} wing"
+
+
+def test_old_private_paths_still_load() -> None:
+    """Before the wings every engine module was ``fsdp2._core.<name>``: those paths import the
+    moved module, and a pickle naming one (a ``torch.save``d DTensor's mesh cache) loads."""
+    import importlib
+    import pickle
+
+    from fsdp2._core import _MOVED
+    from fsdp2._core.support.mesh import MeshCache
+
+    for name, wing in _MOVED.items():
+        old = importlib.import_module(f"fsdp2._core.{name}")
+        assert old is importlib.import_module(f"fsdp2._core.{wing}.{name}"), name
+    assert isinstance(pickle.loads(b"cfsdp2._core.mesh\nMeshCache\n(tR."), MeshCache)
+    core = {p.stem for p in (PACKAGE / "_core").glob("*/*.py") if p.stem != "__init__"}
+    assert set(_MOVED) <= core, set(_MOVED) - core  # every old name still has its module
