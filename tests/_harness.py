@@ -245,7 +245,13 @@ def _get_pool(world_size: int) -> _Pool:
         _discard_pool(world_size)
         pool = None
     if pool is None:
+        start = time.monotonic()
         pool = _pools[world_size] = _Pool(world_size)
+        log = os.environ.get("FSDP2_HARNESS_LOG")  # benchmarks/suite.py --pools reads it
+        if log:
+            test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+            with open(log, "a") as f:
+                f.write(f"spawn {world_size} {time.monotonic() - start:.2f} {test}\n")
     return pool
 
 

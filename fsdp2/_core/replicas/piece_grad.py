@@ -24,7 +24,11 @@
 # over some dims, an op with a tensor of another layout, ``redistribute``) raises, naming the
 # parameter, instead of computing on a layout DTensor does not know; ``full_tensor()`` and
 # ``redistribute()`` all-gather the pieces over the replicas first, so they are exact.
-# ``to_local()`` is this rank's piece (flattened). The tensor stays in ``fp.sharded.grad``;
+# ``to_local()`` is this rank's piece (flattened). On torch 2.13+ the checks run on the aten
+# ops (``__torch_dispatch__``); before, DTensor's C++ dispatch never calls a subclass's, so
+# they run on the torch functions that take a PieceGrad (``__torch_function__``, the same
+# rules by the functions' aten names; ``compat.DTENSOR_SUBCLASS_DISPATCH``). The tensor
+# stays in ``fp.sharded.grad``;
 # ``FSDPParam.piece_grad`` reads its local piece.
 """
 
@@ -39,6 +43,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fsdp2._core.replicas.pieces import gather_rows, piece_range, whole_rows
+from fsdp2._core.support.compat import DTENSOR_SUBCLASS_DISPATCH
 from fsdp2._core.support.mesh import mesh_cache
 
 if TYPE_CHECKING:
@@ -118,6 +123,18 @@ class PieceGrad(DTensor):
         if _mutates_first(func):
             return args[0]
         return tree_map(lambda t: _as_piece(t, owner), out)
+
+    if not DTENSOR_SUBCLASS_DISPATCH:  # torch < 2.13: the ops never reach the method above
+
+        @classmethod
+        def __torch_function__(
+            cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            kwargs = kwargs or {}
+            owner = _check_function(func, args, kwargs)
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **kwargs)
+            return tree_map(lambda t: _as_piece(t, owner), out)
 
     def full_tensor(self, *, grad_placements: Any = None) -> torch.Tensor:
         """The whole gradient, every rank (all-gathers the pieces over the replicas, then
@@ -221,6 +238,82 @@ def _check_one(func: Any, tensors: Any, local: bool) -> tuple[ParamGroup, FSDPPa
         elif not _scalar(t):
             _refuse(first, func, "an op with a tensor of another layout")
     return first._fsdp2_owner
+
+
+# torch < 2.13 ([Note: pieces as .grad]): the same rules, on the torch functions that take a
+# PieceGrad (methods, operators, ``torch.*``), named as aten names them.
+_FUNCTION_LOCAL = {
+    "__get__", "__repr__", "__format__", "size", "dim", "numel", "nelement", "element_size",
+    "is_floating_point", "is_complex", "stride", "storage_offset", "requires_grad_", "detach",
+    "detach_", "clone", "to", "float", "double", "half", "bfloat16", "contiguous", "zero_",
+    "fill_", "copy_", "zeros_like", "ones_like", "empty_like", "full_like", "rand_like",
+    "randn_like", "_amp_foreach_non_finite_check_and_unscale_", "full_tensor", "whole",
+    "to_local", "redistribute", "__reduce_ex__", "item", "tolist", "__bool__", "__float__",
+}  # fmt: skip
+_FUNCTION_WHOLE = {
+    "norm", "vector_norm", "linalg_vector_norm", "sum", "max", "min", "amax", "amin", "any",
+    "all", "_foreach_norm", "_foreach_max",
+}  # fmt: skip
+_LAYOUT_PROPERTIES = {"T", "mT", "H", "mH", "real", "imag"}  # views in another layout
+_DUNDER = {"truediv": "div", "floordiv": "floor_divide", "invert": "bitwise_not"}
+
+
+def _aten_name(name: str) -> str:
+    """``__rmul__`` -> ``mul``, ``__iadd__`` -> ``add_``, ``mul_`` -> ``mul_``."""
+    if not (name.startswith("__") and name.endswith("__")):
+        return name
+    core = name[2:-2]
+    for prefix, suffix in (("i", "_"), ("r", "")):  # in place, reflected
+        base = _DUNDER.get(core[1:], core[1:])
+        if core.startswith(prefix) and hasattr(torch.ops.aten, base + suffix):
+            return base + suffix
+    return _DUNDER.get(core, core)
+
+
+def _pointwise(name: str) -> bool:
+    packet = getattr(torch.ops.aten, _aten_name(name), None)
+    if packet is None:
+        return False
+    return any(
+        torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads()
+    ) or name.startswith("_foreach")
+
+
+def _check_function(func: Any, args: Any, kwargs: Any) -> tuple[ParamGroup, FSDPParam] | None:
+    """``_check`` for torch < 2.13, on a torch function rather than an aten op."""
+    name = getattr(func, "__name__", "")
+    tensors = tree_flatten((args, kwargs))[0]
+    pieces = [t for t in tensors if isinstance(t, PieceGrad)]
+    if not pieces:
+        return None
+    first = pieces[0]
+    if name == "__get__":
+        prop = getattr(getattr(func, "__self__", None), "__name__", "")
+        if prop in _LAYOUT_PROPERTIES:
+            _refuse(first, func, f"the view {prop}")
+        return first._fsdp2_owner
+    whole = name in _FUNCTION_WHOLE
+    if whole and _dims_given(name, args, kwargs):
+        _refuse(first, func, "a reduction over some of its dims")
+    if name.startswith("_foreach") or name == "_amp_foreach_non_finite_check_and_unscale_":
+        lists = [a for a in (*args, *kwargs.values()) if _is_list(a)]
+        for entry in zip(*lists[:1] if name.startswith("_amp") else lists, strict=False):
+            _check_one(func, entry, True)
+        return first._fsdp2_owner
+    local = name in _FUNCTION_LOCAL or whole or _pointwise(name)
+    return _check_one(func, tensors, local)
+
+
+def _dims_given(name: str, args: Any, kwargs: Any) -> bool:
+    dim = kwargs.get("dim")
+    at = 2 if name in ("norm", "vector_norm", "linalg_vector_norm") else 1
+    if dim is None and len(args) > at and isinstance(args[at], (int, tuple, list)):
+        dim = args[at]
+    if dim is None:
+        return False
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    ndim = int(args[0].dim())
+    return 0 < len(dims) < ndim or (name in ("max", "min") and len(dims) > 0)
 
 
 def _reduces_some_dims(func: Any, args: Any, kwargs: Any) -> bool:

@@ -10,6 +10,8 @@ what                           needs       before that
 =============================  ==========  ==============================================
 ``dist.all_gather_single``     2.13        ``dist.all_gather_into_tensor`` (same call)
 ``dist.reduce_scatter_single`` 2.13        ``dist.reduce_scatter_tensor`` (same call)
+a DTensor subclass's own       2.13        DTensor's C++ dispatch skips it: ``PieceGrad``
+``__torch_dispatch__`` runs                checks the torch functions on it instead
 =============================  ==========  ==============================================
 
 The collective wrappers look the torch function up at call time, so a test that patches
@@ -67,6 +69,12 @@ def require_torch(version: tuple[int, int], what: str) -> None:
             f"{torch.__version__}. Upgrade torch or do without it."
         )
 
+
+# Whether a DTensor subclass's own ``__torch_dispatch__`` runs (torch 2.13+): before, DTensor's
+# C++ dispatch handled subclasses as plain DTensors. ``fsdp2.replica_optim``'s ``PieceGrad``
+# checks the ops on it there; before 2.13 it checks the torch functions instead
+# (``__torch_function__``; [Note: pieces as .grad] in fsdp2/_core/replicas/piece_grad.py).
+DTENSOR_SUBCLASS_DISPATCH = TORCH_VERSION >= (2, 13)
 
 # The names of the single-tensor collectives this torch has (what observers are told).
 AG_API = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
