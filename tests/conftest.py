@@ -14,6 +14,9 @@ if _TESTS_DIR not in sys.path:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The harness's own tests kill worker pools on purpose (a hang, a crash): last, so that
+    # the other tests keep the pools they started instead of spawning them again.
+    items.sort(key=lambda item: item.path.name == "test_harness.py")
     # gpu-marked tests run on CUDA, or on the CPU when asked to (FSDP2_TEST_DEVICE=cpu:
     # `make gpu-check DEVICE=cpu`; see tests/devices.py).
     if torch.cuda.is_available() or os.environ.get("FSDP2_TEST_DEVICE") == "cpu":

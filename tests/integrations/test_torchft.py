@@ -156,6 +156,7 @@ def test_no_fault_moe(tmp_path: Any) -> None:
     _assert_groups_equal(_run_two_groups(tmp_path, "--steps", "3", "--model", "moe"), 3)
 
 
+@pytest.mark.long  # docs/testing.md: LocalSGD's averaging is torchft's; the hook is off for it
 def test_local_sgd_like_torch(tmp_path: Any) -> None:
     # torchft's LocalSGD (parameters averaged every 2 local steps; wire(...,
     # average_gradients=False) for the healing state): the groups are equal after every
@@ -180,7 +181,9 @@ def test_local_sgd_like_torch(tmp_path: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    "transport, quorum", [("http", "async"), ("pg", "sync")], ids=["http-async", "pg-sync"]
+    "transport, quorum",
+    [pytest.param("http", "async", marks=pytest.mark.long), ("pg", "sync")],
+    ids=["http-async", "pg-sync"],
 )
 def test_a_killed_group_costs_one_step(tmp_path: Any, transport: str, quorum: str) -> None:
     stop = str(tmp_path / "stop")
