@@ -24,14 +24,9 @@ COMPAT_STAMP := .installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 COMPAT_REQS = $(shell $(PYTHON) -c "import tomllib; p = tomllib.load(open('pyproject.toml', \
 	'rb'))['project']; print(' '.join(repr(r) for r in p['dependencies'] + \
 	p['optional-dependencies']['test']))")
-COMPAT_TESTS ?= tests/core/test_parity.py tests/core/params/test_mixed_precision.py \
-	tests/core/params/test_per_param_mesh.py tests/core/front/test_replicate.py tests/integrations/test_moe.py \
-	tests/core/params/test_meta_init.py tests/checkpoint/test_torch_state_dict.py \
-	tests/checkpoint/test_full_checkpoint_*.py tests/integrations/test_compile.py \
-	tests/integrations/test_torchao.py::test_float8_llama_parity \
-	tests/core/front/test_registration.py tests/integrations/test_pipelining.py \
-	tests/core/comm/test_reduction.py tests/core/runtime/test_deterministic.py tests/core/replicas/test_replica_optim.py \
-	tests/core/params/test_saved_tensors_hooks.py tests/core/replicas/test_replica_grads.py
+# The compatibility subset, chosen by what differs between the releases (tests/compat_subset.py;
+# `make print-compat-tests`).
+COMPAT_TESTS ?= $(shell $(PYTHON) tests/compat_subset.py)
 
 # `make gpu-check`: on a GPU machine with its own torch (no venv there: python3), or on the
 # CPU with DEVICE=cpu (CI); results in $(OUT)/gpu-check.md (benchmarks/gpu_check.py).
@@ -53,7 +48,7 @@ ISA_ENV = TORCHINDUCTOR_CACHE_DIR=$(or $(TMPDIR),/tmp)/fsdp2-inductor-isa-$(ISA)
 	MKL_ENABLE_INSTRUCTIONS=$(if $(filter default,$(ISA)),SSE4_2,AVX2)
 
 .PHONY: venv test test-long test-isa coverage suite-report train lint clean distclean compat \
-	gpu-check
+	gpu-check print-compat-tests
 
 venv: $(STAMP)
 
@@ -107,6 +102,9 @@ $(VENV)/.installed-dev: $(STAMP)
 	touch $@
 
 compat: $(foreach v,$(COMPAT_TORCH),compat-$(v))
+
+print-compat-tests:
+	@echo $(COMPAT_TESTS)
 
 compat-install-%: $(COMPAT_VENVS)/torch-%/$(COMPAT_STAMP)
 	@true

@@ -63,6 +63,7 @@ import torch.nn as nn
 
 from fsdp2._core.front.module import FSDPModule
 from fsdp2._core.front.seam import divide_unreduced_grads
+from fsdp2._core.support.compat import TORCH_RELEASE
 from fsdp2._core.support.pipeline import mark_enabled, opt_out, set_enabler
 
 __all__ = ["disable", "enable", "is_enabled"]
@@ -186,7 +187,7 @@ def enable() -> None:
                 continue
             if name not in getattr(modules[mod], cls_name, object).__dict__:
                 raise RuntimeError(
-                    f"fsdp2.integrations.pipelining: torch {torch.__version__}'s "
+                    f"fsdp2.integrations.pipelining: torch {TORCH_RELEASE}'s "
                     f"{cls_name} has no {name}(); fsdp2 runs the schedules of torch 2.11 to "
                     "2.14"
                 )

@@ -32,6 +32,9 @@ import torch.distributed as dist
 
 __all__ = [
     "AG_API",
+    "DTENSOR_SUBCLASS_DISPATCH",
+    "SWITCHES",
+    "TORCH_RELEASE",
     "MAX_TESTED_TORCH",
     "MIN_TORCH",
     "RS_API",
@@ -77,6 +80,9 @@ def require_torch(version: tuple[int, int], what: str) -> None:
 DTENSOR_SUBCLASS_DISPATCH = TORCH_VERSION >= (2, 13)
 
 # The names of the single-tensor collectives this torch has (what observers are told).
+# (Every name in SWITCHES below differs between the supported releases: `make compat` runs a
+# test of each on 2.11 and 2.14, tests/compat_subset.py; tests/core/support/test_compat.py
+# fails for a switch with no test there, and for a version check outside this module.)
 AG_API = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 RS_API = (
     "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
@@ -97,3 +103,11 @@ def reduce_scatter_single(
     """``dist.reduce_scatter_single`` (torch >= 2.13) or ``dist.reduce_scatter_tensor``."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(output, input, op=op, group=group, async_op=async_op)
+
+
+# What switches between the supported releases (the module docstring's table); each has a
+# test in `make compat`'s subset (tests/compat_subset.py).
+SWITCHES = ("AG_API", "RS_API", "DTENSOR_SUBCLASS_DISPATCH")
+
+# the running release, for messages
+TORCH_RELEASE = torch.__version__

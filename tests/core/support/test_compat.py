@@ -5,9 +5,11 @@
   them (2.13+) and the older ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` where it
   does not (2.11, 2.12), looked up at call time (so ``comm_counter`` patches see them), with
   the same results, on 2 gloo ranks;
-* ``pyproject.toml`` states the range ``_compat`` supports.
-
-The whole compatibility subset (``make compat``) runs on torch 2.11.0 and 2.14.1 in CI.
+* ``pyproject.toml`` states the range ``_compat`` supports;
+* the compatibility subset (``make compat``, run on torch 2.11.0 and 2.14.1 in CI) has a test
+  of each of compat's switches (``compat.SWITCHES``, ``tests/compat_subset.py``), every test
+  it names exists, and no fsdp2 module but compat.py checks the torch release: a new
+  release-dependent path goes through compat.py and its switch gets a test in the subset.
 """
 
 from __future__ import annotations
@@ -78,3 +80,47 @@ def test_collective_shims(old_names: bool) -> None:
     for rank, (gathered, reduced) in enumerate(run_on_ranks(2, _shims, old_names)):
         assert gathered.tolist() == [0, 1, 2, 3, 10, 11, 12, 13]
         assert reduced.tolist() == [[10, 12], [14, 16]][rank]
+
+
+def _root() -> str:
+    return os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+
+
+def test_every_switch_has_a_test_in_the_compatibility_subset() -> None:
+    import ast
+    import subprocess
+    import sys
+
+    import compat_subset
+
+    assert set(_compat.SWITCHES) == set(compat_subset.SWITCHES), (
+        "tests/compat_subset.py's SWITCHES must name a test for each of compat.SWITCHES"
+    )
+    for name in _compat.SWITCHES:
+        assert compat_subset.SWITCHES[name], name
+        assert hasattr(_compat, name), name
+    root = _root()
+    for node in compat_subset.subset():
+        path, _, test = node.partition("::")
+        assert os.path.isfile(os.path.join(root, path)), node
+        if test:
+            assert f"def {test}(" in open(os.path.join(root, path)).read(), node
+    make = subprocess.run(
+        ["make", "-s", "-C", root, "print-compat-tests"], capture_output=True, text=True
+    )
+    assert make.stdout.split() == compat_subset.subset(), make.stdout + make.stderr
+    # the release is read in compat.py alone
+    bad = []
+    for dirpath, _, files in os.walk(os.path.join(root, "fsdp2")):
+        for f in files:
+            path = os.path.join(dirpath, f)
+            if not f.endswith(".py") or path.endswith(os.path.join("support", "compat.py")):
+                continue
+            for node in ast.walk(ast.parse(open(path).read())):
+                if isinstance(node, ast.Attribute) and node.attr == "__version__":
+                    if isinstance(node.value, ast.Name) and node.value.id == "torch":
+                        bad.append(f"{os.path.relpath(path, root)}:{node.lineno}")
+                if isinstance(node, ast.Name) and node.id == "TORCH_VERSION":
+                    bad.append(f"{os.path.relpath(path, root)}:{node.lineno}")
+    assert not bad, f"torch release checked outside compat.py: {bad}"
+    assert sys.modules["fsdp2._core.support.compat"] is _compat
