@@ -58,7 +58,6 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import torch
 import torch.nn as nn
 
 from fsdp2._core.front.module import FSDPModule
