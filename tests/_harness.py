@@ -321,8 +321,19 @@ def _worker_main(
         gc.collect()
         if len(sys.modules) != imported:  # the task imported modules (a test file, transformers)
             gc.freeze()  # their objects too: see [Note: worker pools]
+        _save_coverage()
         conn.send_bytes(reply)
     dist.destroy_process_group()
+
+
+def _save_coverage() -> None:
+    """Under ``make coverage`` (coverage.py measuring this worker): write what the task ran,
+    since the pool is killed, not exited, when pytest ends."""
+    coverage = sys.modules.get("coverage")
+    current = getattr(getattr(coverage, "Coverage", None), "current", None)
+    cov = current() if current is not None else None
+    if cov is not None:
+        cov.save()
 
 
 def _run_task(payload: bytes) -> bytes:

@@ -28,8 +28,7 @@
 # ops (``__torch_dispatch__``); before, DTensor's C++ dispatch never calls a subclass's, so
 # they run on the torch functions that take a PieceGrad (``__torch_function__``, the same
 # rules by the functions' aten names; ``compat.DTENSOR_SUBCLASS_DISPATCH``). The tensor
-# stays in ``fp.sharded.grad``;
-# ``FSDPParam.piece_grad`` reads its local piece.
+# stays in ``fp.sharded.grad``; ``piece_grad_of(fp)`` reads its local piece.
 """
 
 from __future__ import annotations
