@@ -36,6 +36,7 @@ has the measured errors and bytes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -314,7 +315,9 @@ def _halve(x: torch.Tensor) -> torch.Tensor:
 
 
 def _row_squares(local: torch.Tensor) -> torch.Tensor:
-    rows = local.reshape(local.size(0), -1) if local.dim() else local.reshape(1, 1)
+    # the columns named, not -1: a rank's shard may have no rows (reshape(0, -1) raises)
+    cols = math.prod(local.shape[1:])
+    rows = local.reshape(local.size(0), cols) if local.dim() else local.reshape(1, 1)
     return _halve(rows.double().square())
 
 

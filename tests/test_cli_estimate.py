@@ -159,17 +159,32 @@ def test_shard_over_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
         "gradients": 4 * sum(pieces),  # fp32
         "optimizer state": 4 * sum(pieces),  # two bf16 moments
     }
-    # a sweep shows each HSDP mesh without and with it (1D meshes once)
-    sweep = ["estimate", "llama-tiny", "--sweep", "8,4x2", *SMALL, *flag, "--optim-dtype", "bf16"]
+    # a sweep shows each HSDP mesh without and with it (1D meshes once: docs/cli.md's
+    # `--sweep 64,8x8 --shard-over-replicas`, run by test_cli.py)
+    sweep = ["estimate", "llama-tiny", "--sweep", "4x2", *SMALL, *flag, "--optim-dtype", "bf16"]
     code, out, err = fsdp2(*sweep, "--json")
     assert code == 0, err[-3000:]
     rows = json.loads(out)
     assert [(r["mesh_shape"], "shard_over_replicas" in r["settings"]) for r in rows] == [
-        ([8], False),
         ([4, 2], False),
         ([4, 2], True),
     ]
-    assert rows[2]["held"] == scaled["held"]
+    assert rows[1]["held"] == scaled["held"]
     for bad in (["--mesh", "8"], ["--sweep", "4,8"], ["--mesh", "2x2", "--optimizer", "muon"]):
         code, _, err = fsdp2("estimate", "llama-tiny", *SMALL, *flag, *bad)
         assert code == 1 and "--shard-over-replicas" in err, err
+
+
+def test_built_models_keyed_by_config_contents() -> None:
+    """The command's cache of built models is keyed by a config's contents: keyed by
+    ``id(config)``, a later call in the same process whose config reused a freed config's id
+    was given the earlier model."""
+    from transformers import LlamaConfig
+
+    from fsdp2.cli._estimate import _fingerprint
+
+    small = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128)
+    same = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128)
+    deeper = LlamaConfig(num_hidden_layers=3, hidden_size=64, intermediate_size=128)
+    assert _fingerprint(small) == _fingerprint(same)
+    assert _fingerprint(small) != _fingerprint(deeper)

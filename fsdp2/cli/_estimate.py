@@ -134,9 +134,18 @@ def _layers(config: Any) -> int | None:
     return n
 
 
-# built models, by (config object, blocks, ac, seq, dtype): a sweep simulates the same model on
-# every mesh (estimate_memory copies it), and building a large one on meta takes seconds
+# built models, by (config's contents, blocks, ac, seq, dtype): a sweep simulates the same model
+# on every mesh (estimate_memory copies it), and building a large one on meta takes seconds.
+# Keyed by contents, not id(config): a freed config's id is reused by the next one (several
+# calls in one process, main(argv) from a script).
 _BUILT: dict[tuple[Any, ...], Any] = {}
+
+
+def _fingerprint(config: Any) -> Any:
+    if isinstance(config, _OwnConfig):
+        return ("own", config.name, repr(sorted(config.fields.items())))
+    to_json = getattr(config, "to_json_string", None)
+    return to_json(use_diff=False) if to_json is not None else repr(config)
 
 
 def _with_layers(config: Any, n: int) -> Any:
@@ -301,7 +310,7 @@ def _simulate(
     if args.mp == "bf16" and args.param_dtype != "bf16":
         mp = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     dtype = getattr(torch, _DTYPES[args.param_dtype])
-    key = (id(config), blocks, args.ac, args.seq, dtype)
+    key = (_fingerprint(config), blocks, args.ac, args.seq, dtype)
     if key not in _BUILT:
         cut = config if blocks is None else _with_layers(config, blocks)
         _BUILT[key] = _model(cut, args.ac, args.seq, dtype)

@@ -5,8 +5,8 @@ warm-up steps).
 
 * EP + FSDP (torchtitan's layout, as in ``tests/integrations/test_moe.py``): experts split
   over ``ep`` (2) by ``apply_expert_parallel`` and sharded over ``efsdp`` (2), the dense
-  weights over all 4 ranks, ``reshard_after_forward`` True and False; and plain FSDP over
-  4 ranks with every expert local (no all-to-all).
+  weights over all 4 ranks, ``reshard_after_forward`` True and False (False in the long
+  suite); and plain FSDP over 4 ranks with every expert local (no all-to-all).
 * The estimate simulates rank 0 and is compared with rank 0's measured peak.
 * Routing: the simulated step runs on fake tensors, whose token counts cannot be read, so
   the MoE layers assume balanced routing there (see the docstring of fsdp2/models/moe.py);
@@ -110,7 +110,14 @@ def _measure(layout: str, reshard: bool) -> tuple[int, list[list[int]]]:
 
 
 @pytest.mark.parametrize(
-    "layout,reshard", [("ep", True), ("ep", False), ("fsdp", True)], ids=["ep", "ep-keep", "fsdp"]
+    "layout,reshard",
+    [
+        pytest.param("ep", True, id="ep"),
+        # long (docs/testing.md): the EP + FSDP layout checked by [ep], and
+        # reshard_after_forward=False by test_estimate_memory's MLP case with it
+        pytest.param("ep", False, id="ep-keep", marks=pytest.mark.long),
+        pytest.param("fsdp", True, id="fsdp"),
+    ],
 )
 def test_moe_estimate_within_10_percent_of_measured_peak(layout: str, reshard: bool) -> None:
     est = _estimate(layout, reshard)

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+import sys
 import tempfile
 import traceback
 from typing import Any
@@ -71,7 +72,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from models import mean_over_ranks, rank_slice
+from models import full_values, mean_over_ranks, rank_slice
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -249,6 +250,9 @@ class CallOrders(RuleBasedStateMachine):
     def _note(self, what: str) -> None:
         self.log.append(what)
         self.stats["rules"] = self.stats.get("rules", 0) + 1
+        # per rule (the caller's name), so that a run's printout shows what the draws reached
+        key = "ran " + sys._getframe(1).f_code.co_name
+        self.stats[key] = self.stats.get(key, 0) + 1
 
     def _unexpected(self) -> Unexpected:
         rules = "\n  ".join(self.log)
@@ -603,17 +607,22 @@ class CallOrders(RuleBasedStateMachine):
         if list(params) != list(refs):
             errors.append(f"parameter names {list(params)} != the replica's {list(refs)}")
         self._check(errors)
-        for name, p in params.items():
-            _close(p.full_tensor(), refs[name], f"parameter {name}", errors)
-            if self.unsynced:
-                continue
-            g, want = p.grad, refs[name].grad
-            if (g is None) != (want is None):
-                has = "no gradient" if g is None else "a gradient"
-                errors.append(f"gradient of {name}: fsdp2 has {has}, the replica the other")
-            elif g is not None and want is not None:
-                assert isinstance(g, DTensor)
-                _close(g.full_tensor(), want, f"gradient of {name}", errors)
+        # full_values: the values of full_tensor() in one all-gather per group and dtype
+        fulls = full_values(list(params.values()))
+        for name, full in zip(params, fulls, strict=True):
+            _close(full, refs[name], f"parameter {name}", errors)
+        if not self.unsynced:
+            grads = [p.grad for p in params.values()]
+            for (name, g), full in zip(
+                zip(params, grads, strict=True), full_values(grads), strict=True
+            ):
+                want = refs[name].grad
+                if (g is None) != (want is None):
+                    has = "no gradient" if g is None else "a gradient"
+                    errors.append(f"gradient of {name}: fsdp2 has {has}, the replica the other")
+                elif g is not None and want is not None:
+                    assert isinstance(g, DTensor)
+                    _close(full, want, f"gradient of {name}", errors)
         self._check(errors)
 
     def teardown(self) -> None:

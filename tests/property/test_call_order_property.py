@@ -13,7 +13,7 @@ the parameters (and, where defined, the gradients) must equal the replica's.
 
 Each world size is spawned once and runs its state machines inside the ranks: every rank
 draws the same rules (same seed), and the ranks agree on each outcome before one raises.
-Profiles (``_profiles.py``): ``ci`` (fixed seed, about a minute for all world sizes) and
+Profiles (``_profiles.py``): ``ci`` (fixed seed, sized to the main suite's budget) and
 ``long`` (``HYPOTHESIS_PROFILE=long``, seed from ``FSDP2_PROPERTY_SEED`` or random, printed).
 A failure prints the rules that led to it: turn them into a test in
 ``test_call_order_regressions.py``. See docs/property_tests.md.

@@ -55,6 +55,36 @@ FOUND: dict[str, tuple[int, Rules]] = {
             ("state_dict_round_trip", {"via": "memory"}),
         ],
     ),
+    # fsdp2.reduction.clip_grad_norm_ (the deterministic mode's clipping) on 4 ranks, where a
+    # small layer's shard on the last rank has no rows: it reshaped the empty shard with
+    # reshape(0, -1), which raises ("cannot reshape tensor of 0 elements"). Found by the
+    # property suite with its seed 5904.
+    "reduction_clip_empty_shard": (
+        4,
+        [
+            _build(
+                "reduce64",
+                (True, True, False),
+                bucket=1 << 20,
+                kinds=("replicate", "shard", "small", "small"),
+                mode="deterministic",
+            ),
+            ("failing_forward", {"at": 1}),
+            ("unshard_reshard", {"where": "layers.2", "op": "unshard"}),
+            ("zero_grad", {"set_to_none": True, "via": "model"}),
+            ("unshard_reshard", {"where": "layers.2", "op": "reshard"}),
+            ("zero_grad", {"set_to_none": True, "via": "model"}),
+            ("set_sync", {"value": True}),
+            ("clip", {"max_norm": 1.0, "via": "torch"}),
+            ("train", {"scale": 1.0}),
+            ("state_dict_round_trip", {"via": "memory"}),
+            ("set_sync", {"value": False}),
+            ("build_optimizer", {"kind": "momentum", "source": "model", "pieces": False}),
+            ("failing_forward", {"at": 2}),
+            ("failing_forward", {"at": 2}),
+            ("clip", {"max_norm": 0.05, "via": "reduction"}),
+        ],
+    ),
 }
 
 

@@ -26,7 +26,7 @@ import time
 import pytest
 import torch.distributed as dist
 from _harness import run_on_ranks
-from _profiles import EXAMPLES, SEED_ENV, profile, profile_name
+from _profiles import CI_SEED, EXAMPLES, SEED_ENV, profile, profile_name
 from _run import agree, check_spec, make_meshes
 from _spec import Spec, open_bug, specs
 from hypothesis import given
@@ -62,7 +62,9 @@ def _property(world_size: int, name: str, max_examples: int, seed: int | None) -
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_training_matches_reference(world_size: int) -> None:
     name = profile_name()
-    seed = None
+    # ci: a fixed seed per world size (not derandomize's one seed for all of them, which drew
+    # the same runs on every world size): the world sizes together cover more of the space
+    seed: int | None = CI_SEED + world_size
     if name != "ci":
         seed = int(os.environ.get(SEED_ENV) or random.randrange(2**32))
         print(f"{SEED_ENV}={seed} HYPOTHESIS_PROFILE={name}")
