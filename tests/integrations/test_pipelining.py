@@ -19,6 +19,11 @@ Also: a ``_PipelineScheduleRuntime`` loaded from a CSV with ``UNSHARD`` / ``RESH
 torchtitan's composition (``scale_grads=False`` with ``set_gradient_divide_factor(1.0)``,
 PP x HSDP); and the call orders that apply (evaluation between steps, freezing a block, a DCP
 checkpoint mid-run).
+
+Outside the main suite (``long``, ``make test-long``), cases whose code paths a main-suite
+case runs: ``reshard_after_forward=False`` parity for GPipe, LoopedBFS, DualPipeV and
+Interleaved1F1B (one schedule of each shape stays, see ``_RAF_FALSE_LONG``), two of the four
+accumulation cases (each schedule and each scaling stays), and the call orders on 1F1B.
 """
 
 from __future__ import annotations
@@ -145,8 +150,25 @@ def _check_losses(outs: list[dict[str, Any]]) -> None:
         assert abs(sum(got) / len(got) - want) < 1e-5, (step, got, want)
 
 
-@pytest.mark.parametrize("raf", [None, False], ids=["raf_default", "raf_False"])
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
+# reshard_after_forward=False in the main suite for one schedule of each shape (single stage,
+# looped, V) and a split-backward one; the others (GPipe: as 1F1B; LoopedBFS: as
+# Interleaved1F1B's loop; DualPipeV: as ZBVZeroBubble's V with split backward;
+# Interleaved1F1B: test_torchtitan_composition runs it with False, against torch and the
+# replica) run in `make test-long`.
+_RAF_FALSE_LONG = {"GPipe", "LoopedBFS", "DualPipeV", "Interleaved1F1B"}
+_PARITY_CASES = [
+    pytest.param(
+        schedule,
+        raf,
+        id=f"{schedule}-raf_{'default' if raf is None else 'False'}",
+        marks=pytest.mark.long if raf is False and schedule in _RAF_FALSE_LONG else (),
+    )
+    for schedule in SCHEDULES
+    for raf in (None, False)
+]
+
+
+@pytest.mark.parametrize("schedule, raf", _PARITY_CASES)
 def test_schedule_parity(schedule: str, raf: bool | None) -> None:
     if OLD_TORCH and SCHEDULES[schedule][1] == "v":
         pytest.skip("torch < 2.13's V-shaped schedules fail on gloo, plain stages too")
@@ -368,8 +390,17 @@ def _accumulated(schedule: str, scale_grads: bool) -> dict[str, Any]:
     return {"far": far, "in_steps": in_steps, "finalized": finalized}
 
 
-@pytest.mark.parametrize("scale_grads", [False, True], ids=["loss_scaled", "scale_grads"])
-@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+@pytest.mark.parametrize(
+    "schedule, scale_grads",
+    [
+        pytest.param("1F1B", False, id="1F1B-loss_scaled", marks=pytest.mark.long),
+        pytest.param("1F1B", True, id="1F1B-scale_grads"),
+        pytest.param("Interleaved1F1B", False, id="Interleaved1F1B-loss_scaled"),
+        pytest.param(
+            "Interleaved1F1B", True, id="Interleaved1F1B-scale_grads", marks=pytest.mark.long
+        ),
+    ],
+)  # long: each scaling and each schedule is in a main-suite case (a pairwise cover)
 def test_accumulation_over_schedule_steps(schedule: str, scale_grads: bool) -> None:
     """With ``set_manual_backward_finalization(True)`` the stages' gradients accumulate over
     two schedule steps without any reduce-scatter (all-gathers only), ``finalize_backward()``
@@ -665,7 +696,10 @@ def _orders(schedule: str, path: str) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+# long: 1F1B, one stage a rank; the same call orders run on Interleaved1F1B (two stages a rank)
+@pytest.mark.parametrize(
+    "schedule", [pytest.param("1F1B", marks=pytest.mark.long), "Interleaved1F1B"]
+)
 def test_call_orders(schedule: str, tmp_path: Any) -> None:
     """Evaluation between steps (``schedule.eval``), a block frozen mid-run, and a DCP
     checkpoint saved mid-run and resumed in fresh stages: fsdp2 equals torch's FSDP2 bit for

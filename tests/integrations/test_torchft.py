@@ -7,14 +7,17 @@ rank's shards). Every process a test starts is killed when it ends.
   fsdp2's losses and shards equal torch's FSDP2 wired the way torchft's own test wires it.
 * No fault, asynchronous quorum (the quorum thread reads the state during a forward): equal
   groups. (torch's FSDP2 with the same local-shard state functions fails there: the quorum
-  thread finds the unsharded parameters registered mid-forward.)
-* An EP + FSDP MoE (two parameter groups per block: the hook runs on both): equal groups.
+  thread finds the unsharded parameters registered mid-forward.) ``long``: the MoE case runs
+  the asynchronous quorum too.
+* An EP + FSDP MoE (two parameter groups per block: the hook runs on both), asynchronous
+  quorum: equal groups.
 * torchft's ``LocalSGD`` (``wire(..., average_gradients=False)``): equal groups after every
   sync, and the same losses as torch's FSDP2 under it.
 * One group SIGKILLed mid-run (HTTP transport with the asynchronous quorum, PG transport with
   the synchronous one): the survivor raises nothing, loses at most the step the kill lands in
   and goes on with one participant; the group restarted heals from it, and the two are
-  bitwise equal at every step they share afterwards.
+  bitwise equal at every step they share afterwards. (HTTP with the asynchronous quorum:
+  ``long``, as are LocalSGD and test_torchft_example.py, the same kill through the example.)
 """
 
 from __future__ import annotations
@@ -148,6 +151,9 @@ def test_no_fault_groups_equal_and_like_torch(tmp_path: Any) -> None:
             assert x["loss"] == pytest.approx(y["loss"], rel=1e-5), (key, x, y)
 
 
+# long: test_no_fault_moe runs fsdp2 under the asynchronous quorum too (the state read by the
+# quorum thread mid-forward at the first step's init sync), on a model with two groups a block
+@pytest.mark.long
 def test_no_fault_async_quorum(tmp_path: Any) -> None:
     _assert_groups_equal(_run_two_groups(tmp_path, "--steps", "3"), 3)
 

@@ -7,7 +7,8 @@ group 1 (its ``torchrun`` and both ranks) is SIGKILLed, and the group is started
 the same command. Checked: both groups exit 0 and print the closing line; the survivor lost
 at most one step and went on alone; the restarted group healed (joined at the survivor's
 step, not at 0) and trained with it again; both groups end with the same parameters
-(the digest the example prints). About 30-45 s on 2 cores.
+(the digest the example prints). About 30-45 s on 2 cores: ``long`` (``make test-long``),
+test_torchft.py's kill test checks the same behaviour in the main suite.
 """
 
 from __future__ import annotations
@@ -131,6 +132,9 @@ def _groups(tmp: str) -> Iterator[_Groups]:
         lighthouse.shutdown()
 
 
+# long: test_torchft.py::test_a_killed_group_costs_one_step[pg-sync] checks the same (a killed
+# group restarts, heals at the survivor's step, then equal parameters) with its worker
+@pytest.mark.long
 def test_killed_group_restarts_heals_and_ends_equal(tmp_path) -> None:
     deadline = time.monotonic() + TIMEOUT_S
     with _groups(str(tmp_path)) as job:

@@ -6,8 +6,9 @@ scale moves the norm but hardly the loss), every micro-batch's loss, and the ful
 after training:
 
 * default (``use_fsdp2()``) on 2 ranks, 2 micro-batches accumulated per rank: equal bitwise
-  to torch's FSDP2 in the same Trainer; a checkpoint saved at step 2 (DCP, full state) and
-  resumed by a new ``Trainer`` gives step 3 and the parameters of the uninterrupted run;
+  to torch's FSDP2 in the same Trainer (2 steps); a checkpoint saved at step 1 (DCP, full
+  state: AdamW's state of step 1 too) and resumed by a new ``Trainer`` gives step 2 and the
+  parameters of the uninterrupted run;
 * ``use_fsdp2(deterministic=True)`` on 1, 2 and 4 ranks (4, 2 and 1 micro-batches
   accumulated per rank over one global batch; parameters drawn whole from one seed): per
   micro-batch losses, gradient norms and parameters equal bitwise (torchtitan's logged loss,
@@ -17,7 +18,7 @@ after training:
 * ``use_fsdp2(shard_over_replicas=True)`` on HSDP 2x2 (``data_parallel_replicate_degree=2``):
   the container's optimizer is a ``ReplicaShardedOptimizer``; without clipping, losses and
   parameters equal the same Trainer without the mode bitwise and the gradient norms (summed
-  over pieces instead of shards) to rounding; a checkpoint saved at step 2 and resumed equals
+  over pieces instead of shards) to rounding; a checkpoint saved at step 1 and resumed equals
   the uninterrupted run bitwise.
 
 One task per world size, cases in sequence; the fsdp2 seams for torchtitan
@@ -43,6 +44,8 @@ _MISSING = available()
 pytestmark = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
 
 M = 4  # micro-batches in a step's global batch
+STEPS = 2  # the runs compared and resumed: step 2 runs on AdamW's state of step 1
+CKPT = 1  # the step checkpointed and resumed from
 TIMEOUT = 600.0  # importing torchtitan and building Trainers on a shared 2-core machine
 
 
@@ -100,14 +103,13 @@ def _two_ranks(tmp: str) -> dict[str, Any] | None:
     load()
     out: dict[str, Any] = {}
     with rank_env():
-        cfg = trainer_config(os.path.join(tmp, "torch"), steps=3, micro_batches=M)
+        cfg = trainer_config(os.path.join(tmp, "torch"), steps=STEPS, micro_batches=M)
         out["torch"] = train(cfg, check=_check_torch)
         with using_fsdp2():
             folder = os.path.join(tmp, "fsdp2")
-            cfg = trainer_config(folder, steps=3, micro_batches=M, checkpoint_at=2)
-            out["fsdp2"] = train(cfg, check=_check_fsdp2)
-            cfg = trainer_config(folder, steps=3, micro_batches=M, checkpoint_at=2, load_step=2)
-            out["resumed"] = train(cfg)
+            ckpt = {"steps": STEPS, "micro_batches": M, "checkpoint_at": CKPT}
+            out["fsdp2"] = train(trainer_config(folder, **ckpt), check=_check_fsdp2)
+            out["resumed"] = train(trainer_config(folder, load_step=CKPT, **ckpt))
         out["deterministic"] = _deterministic(os.path.join(tmp, "det2"))
         out["three"] = _refused(os.path.join(tmp, "three"), micro_batches=6)
         out["eight chunks"] = _refused(os.path.join(tmp, "chunks"), micro_batches=M)
@@ -121,11 +123,11 @@ def _four_ranks(tmp: str) -> dict[str, Any] | None:
         out["deterministic"] = _deterministic(os.path.join(tmp, "det4"))
         # no clipping: its coefficient comes from a norm summed in another order over the
         # pieces than over the shards (the last bits), which AdamW would carry into the weights
-        hsdp = {"steps": 3, "micro_batches": M, "replicate": 2, "max_norm": 1e4}
+        hsdp = {"steps": STEPS, "micro_batches": M, "replicate": 2, "max_norm": 1e4}
         with using_fsdp2(shard_over_replicas=True):
             folder = os.path.join(tmp, "replicas")
-            out["replicas"] = train(trainer_config(folder, checkpoint_at=2, **hsdp))
-            cfg = trainer_config(folder, checkpoint_at=2, load_step=2, **hsdp)
+            out["replicas"] = train(trainer_config(folder, checkpoint_at=CKPT, **hsdp))
+            cfg = trainer_config(folder, checkpoint_at=CKPT, load_step=CKPT, **hsdp)
             out["replicas resumed"] = train(cfg)
         with using_fsdp2():
             out["hsdp"] = train(trainer_config(os.path.join(tmp, "hsdp"), **hsdp))
@@ -143,8 +145,10 @@ def _same_run(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
 
 
 def _resumed(resumed: dict[str, Any], full: dict[str, Any], what: str) -> None:
-    assert [s[0] for s in resumed["steps"]] == [3], f"{what}: resumed at {resumed['steps']}"
-    assert resumed["steps"] == full["steps"][2:], f"{what}: step 3 after resuming differs"
+    resumed_at = [s[0] for s in resumed["steps"]]
+    assert resumed_at == list(range(CKPT + 1, STEPS + 1)), f"{what}: resumed at {resumed_at}"
+    assert [s[0] for s in full["steps"]] == list(range(1, STEPS + 1)), full["steps"]
+    assert resumed["steps"] == full["steps"][CKPT:], f"{what}: steps after resuming differ"
     check_same(resumed["params"], full["params"], f"{what}: params after resuming", bitwise=True)
 
 
