@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 import fsdp2  # noqa: E402
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--steps", type=int, default=10, help="optimizer steps")
+parser.add_argument("--steps", type=int, default=4, help="optimizer steps")
 parser.add_argument("--out", default="runs/accelerate_train")
 args = parser.parse_args()
 

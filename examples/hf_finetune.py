@@ -26,7 +26,7 @@ from fsdp2.checkpoint import save_full_checkpoint
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", help="a from_pretrained name or folder (default: a tiny Llama)")
-parser.add_argument("--steps", type=int, default=10)
+parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--seq-len", type=int, default=64)
 parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank")
 parser.add_argument("--ac", choices=["hf", "wrapper", "none"], default="hf")

@@ -23,7 +23,7 @@ from fsdp2 import MixedPrecisionPolicy, fully_shard
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", help="a from_pretrained name or folder (default: a tiny Llama)")
-parser.add_argument("--steps", type=int, default=10)
+parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--seq-len", type=int, default=64)
 parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank")
 parser.add_argument("--out", default="runs/lora_finetune")

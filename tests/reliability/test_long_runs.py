@@ -4,7 +4,8 @@ The example trainer's model (``fsdp2.models.Llama``) on 2 gloo CPU ranks, every 
 root sharded by ``fsdp2.fully_shard``, forward prefetch of the next block
 (``set_modules_to_forward_prefetch``) and bucketing (``set_bucket_bytes``), debug mode off,
 AdamW with gradient clipping as ``examples/train.py`` steps. Variants: the defaults,
-``reshard_after_forward=False``, CPU offload (``CPUOffloadPolicy``). Measured on each rank:
+``reshard_after_forward=False``, CPU offload (``CPUOffloadPolicy``); the main suite runs the
+defaults, the other two are ``long`` (``make test-long``). Measured on each rank:
 resident memory (``VmRSS``) after the warm-up (``WARMUP`` steps) and at the end, and the
 median step time of the first and last ``WINDOW`` steps after the warm-up, and the C heap in
 use (glibc's ``mallinfo2``, every arena: what is allocated, not what the allocator keeps).
@@ -136,7 +137,16 @@ def _long_run(variant: str) -> dict[str, float]:
     }
 
 
-@pytest.mark.parametrize("variant", ["default", "no_reshard", "offload"])
+# The variants are `long`: the main suite keeps the defaults (test_long_run_is_flat[default]),
+# the same loop and bounds.
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "default",
+        pytest.param("no_reshard", marks=pytest.mark.long),
+        pytest.param("offload", marks=pytest.mark.long),
+    ],
+)
 def test_long_run_is_flat(variant: str) -> None:
     results = run_on_ranks(2, _long_run, variant, timeout=1800 if LONG else 300)
     for rank, r in enumerate(results):
@@ -176,7 +186,9 @@ def _rebuilds() -> dict[str, Any]:
         for step in range(2):
             _step(model, optim, step)
         del model, optim
-        counts.append(_census())
+        gc.collect()
+        if i in (0, REBUILDS - 1):  # the census walks every object: only the two compared
+            counts.append(_census())
         rss.append(_rss_mib())
     return {"first": counts[0], "last": counts[-1], "rss_growth_mib": rss[-1] - rss[WARMUP // 5]}
 

@@ -14,9 +14,9 @@ Per mesh configuration (several per ``run_on_ranks`` call, to amortize the worke
 * layout: every parameter's mesh dim names, placements and local shape equal those of
   torch's ``fully_shard(dp_mesh_dims=...)``; the mesh is the full mesh (one shard dim) and
   ``full_tensor()`` equals the unsharded parameter;
-* training: 3 AdamW steps of fsdp2 with ``dp_mesh_dims``, torch with ``dp_mesh_dims`` and,
-  where the mesh allows it, fsdp2 the "2D" way: losses and full parameters equal the
-  replicated reference (fp32 tolerance);
+* training: 2 AdamW steps (the second with the state the first made) of fsdp2 with
+  ``dp_mesh_dims``, torch with ``dp_mesh_dims`` and, where the mesh allows it, fsdp2 the
+  "2D" way: losses and full parameters equal the replicated reference (fp32 tolerance);
 * meshes: FSDP + TP ``(dp, tp)`` and ``(tp, dp)`` (the data-parallel dim to the left of TP
   shards plainly, not strided), HSDP ``(rep, shard)``, two shard dims flattened ``(a, b)``
   (with ``reshard_after_forward=2``, which torch does not implement), replicate-only
@@ -51,7 +51,7 @@ from fsdp2 import DataParallelMeshDims
 # replicated reference alone.
 TorchDims = getattr(torch_fsdp, "DataParallelMeshDims", None)
 WORLD_SIZE = 4
-STEPS = 3
+STEPS = 2
 DIM, HIDDEN = 8, 10
 
 
