@@ -21,6 +21,7 @@ from fsdp2.clip import clip_grad_norm_
 from fsdp2._core.front.replicate import ReplicateModule, replicate
 from fsdp2._core.front.sharding import (
     FSDPModule,
+    GradientReductionHandle,
     UnshardHandle,
     fully_shard,
     register_fsdp_forward_method,
@@ -65,6 +66,7 @@ __all__ = [
     "Comm",
     "DataParallelMeshDims",
     "FSDPModule",
+    "GradientReductionHandle",
     "MemoryEstimate",
     "MixedPrecisionPolicy",
     "OffloadPolicy",

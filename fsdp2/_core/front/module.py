@@ -55,6 +55,24 @@ class UnshardHandle:
             g.wait_if_pending()
 
 
+class GradientReductionHandle:
+    """Returned by ``FSDPModule.finalize_backward(async_op=True)``: the step's last gradient
+    reductions are issued, not yet finished. torch main's API (pytorch PR 196724)."""
+
+    def __init__(self, complete: Callable[[], None] | None = None) -> None:
+        self._complete = complete
+
+    def wait(self) -> None:
+        """Wait for the reductions; afterwards the gradients are on the sharded parameters
+        and the modules resharded per ``set_reshard_after_backward``, as after
+        ``finalize_backward()``. Idempotent. Until it is called the step is open: the next
+        forward, ``unshard()``, ``zero_grad()``, ``reset_iter_state()`` and another
+        ``finalize_backward()`` raise, and the optimizer must not step."""
+        complete, self._complete = self._complete, None
+        if complete is not None:
+            complete()
+
+
 class FSDPModule:
     """Mixin added to every module passed to :func:`fully_shard`."""
 
@@ -89,6 +107,8 @@ class FSDPModule:
         at once; the next forward of this module waits for it automatically.
         Follows the mixed-precision policy (gathers in ``param_dtype``)."""
         state = self._fsdp_state()
+        if state.ctx is not None:
+            state.ctx.awaiting_refusal("unshard()")
         for g in state.groups:
             if g.stale():  # values loaded or stepped since it was gathered
                 g.reshard()
@@ -169,7 +189,7 @@ class FSDPModule:
         if ctx is not None:
             ctx.manual = bool(enabled)
 
-    def finalize_backward(self) -> None:
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
         """Finish the backwards run so far, on every FSDP module under this module's root:
         reduce (per the current :meth:`set_requires_gradient_sync`) the gradients no
         backward reduced, wait for every reduction, land the gradients on the sharded
@@ -178,18 +198,26 @@ class FSDPModule:
         what no-sync backwards left (a no-op after an ordinary backward). Collective:
         every rank calls it at the same point.
 
+        With ``async_op=True`` it issues the reductions and returns a
+        :class:`GradientReductionHandle` at once, whose ``wait()`` does the rest (other work,
+        a pipeline stage's next action, overlaps the reductions); until then the step is
+        open (see ``GradientReductionHandle.wait``). torch main's API (pytorch PR 196724).
+
         Raises:
-            RuntimeError: called during a forward or backward.
+            RuntimeError: called during a forward or backward, or while the handle of an
+                earlier ``finalize_backward(async_op=True)`` has not been waited.
         """
         ctx = self._fsdp_state().ctx
-        if ctx is None:
-            return  # no forward yet: nothing to finish
+        if ctx is None:  # no forward yet: nothing to finish
+            return GradientReductionHandle() if async_op else None
         if ctx.phase is not StepPhase.IDLE:
             raise RuntimeError(
                 "fsdp2: finalize_backward() called during a forward or backward; call it "
                 "after the backward (after the last micro-batch's)"
             )
-        ctx.finalize()
+        ctx.awaiting_refusal("finalize_backward()")
+        complete = ctx.finalize(async_op=async_op)
+        return GradientReductionHandle(complete) if async_op else None
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for compatibility: every backward already waits for its
@@ -429,6 +457,9 @@ class FSDPModule:
         backward has not run, ``unshard()``, ``set_reshard_after_backward(False)``), whose
         gradients the optimizer steps with. torch's FSDP2 leaves those, so the next
         backward adds to the last step's gradients there."""
+        ctx = self._fsdp_state().ctx
+        if ctx is not None:
+            ctx.awaiting_refusal("zero_grad()")
         super().zero_grad(set_to_none)  # type: ignore[misc]
         for g in self._groups(recurse=True):
             if g.sharded_state is Sharded.SHARDED:
