@@ -36,7 +36,14 @@ WINGS = ["front", "runtime", "replicas", "params", "comm", "support"]
 # (within a layer: no cycle, checked by the cycle test). Each wing is a run of layers.
 LAYERS = [
     ["front.replicate"],
-    ["front.sharding", "front.module", "front.seam", "front.state_dict", "front.pipelining"],
+    [
+        "front.sharding",
+        "front.module",
+        "front.handles",
+        "front.seam",
+        "front.state_dict",
+        "front.pipelining",
+    ],
     ["runtime.state", "runtime.tree_checks"],
     ["runtime.step", "runtime.relayout", "runtime.higher_order"],
     ["runtime.slot"],

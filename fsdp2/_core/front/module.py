@@ -1,5 +1,6 @@
 """The ``FSDPModule`` mixin (the methods every sharded module gains),
-``UnshardHandle``, ``register_fsdp_forward_method`` and ``share_comm_ctx``."""
+``register_fsdp_forward_method`` and ``share_comm_ctx``; the handles of its asynchronous
+calls are ``handles.py``'s."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any, NoReturn
 import torch
 
 from fsdp2._core.comm.transport import BackendAlloc
+from fsdp2._core.front.handles import GradientReductionHandle, UnshardHandle
 from fsdp2._core.params.group import ParamGroup, Sharded
 from fsdp2._core.runtime import relayout
 from fsdp2._core.runtime.state import FSDPState, state_of
@@ -17,7 +19,7 @@ from fsdp2._core.runtime.step import StepPhase
 from fsdp2._core.support.mesh import separate_shard_group
 from fsdp2.api import AllGather, ReduceScatter
 
-__all__ = ["FSDPModule", "UnshardHandle"]
+__all__ = ["FSDPModule", "GradientReductionHandle", "UnshardHandle"]
 
 
 def _no_deepcopy(self: Any, memo: Any) -> NoReturn:
@@ -38,39 +40,6 @@ def _fsdp_class(cls: type) -> type:
         fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": _no_deepcopy})
         _FSDP_CLASSES[cls] = fsdp_cls
     return fsdp_cls
-
-
-class UnshardHandle:
-    """Returned by ``FSDPModule.unshard(async_op=True)``."""
-
-    def __init__(self, state: FSDPState | None = None) -> None:
-        self._state = state
-
-    def wait(self) -> None:
-        """Wait for the all-gather; afterwards the unsharded parameters are
-        registered on the module and usable. Idempotent. A pending unshard is
-        also waited by the module's next forward, so calling this is optional."""
-        state, self._state = self._state, None
-        for g in state.groups if state is not None else ():
-            g.wait_if_pending()
-
-
-class GradientReductionHandle:
-    """Returned by ``FSDPModule.finalize_backward(async_op=True)``: the step's last gradient
-    reductions are issued, not yet finished. torch main's API (pytorch PR 196724)."""
-
-    def __init__(self, complete: Callable[[], None] | None = None) -> None:
-        self._complete = complete
-
-    def wait(self) -> None:
-        """Wait for the reductions; afterwards the gradients are on the sharded parameters
-        and the modules resharded per ``set_reshard_after_backward``, as after
-        ``finalize_backward()``. Idempotent. Until it is called the step is open: the next
-        forward, ``unshard()``, ``zero_grad()``, ``reset_iter_state()`` and another
-        ``finalize_backward()`` raise, and the optimizer must not step."""
-        complete, self._complete = self._complete, None
-        if complete is not None:
-            complete()
 
 
 class FSDPModule:

@@ -394,10 +394,8 @@ class StepContext:
         reduce, per the current gradient-sync settings, what no post-backward reduced (unused
         inputs, parameters whose gradients came late, no-sync sums), finish every reduction,
         reshard per ``reshard_after_backward``, reset. Issues collectives: every rank calls it
-        at the same point. ``ended``: a backward just ended (the final callback).
-        ``async_op``: issue the reductions and return what finishes the rest (waits for them,
-        lands the gradients, reshards: ``GradientReductionHandle.wait``); until it runs the
-        step is awaiting (see ``awaiting_refusal``)."""
+        at the same point. ``ended``: a backward just ended (the final callback). ``async_op``:
+        issue the reductions, return what does the rest (``GradientReductionHandle.wait``)."""
         ended = ended or self.unfinalized
         for st in self.with_group:
             late: list[int] = []
