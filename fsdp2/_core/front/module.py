@@ -129,6 +129,16 @@ class FSDPModule:
         gradient-accumulation microbatches."""
         self._update(recurse, gather={"reshard_after_backward": bool(reshard_after_backward)})
 
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """``True``: resharding (after forward, after backward, ``reshard()``) keeps the
+        unsharded parameters' storage allocated, so each unsharded parameter has the same data
+        pointer from one all-gather to the next (CUDA graphs, inference engines reading the
+        weights in place); the sharded parameters are registered as usual, and every
+        all-gather still writes fresh values. Costs the unsharded bytes for as long as it is
+        on. ``False`` frees at the next reshard. Tensor-subclass parameters with all-gather
+        hooks rebuild their outputs each time. torch main's API."""
+        self._update(recurse, gather={"keep_storage": bool(keep)})
+
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Whether this module's parameters are all-gathered for backward; set
         ``False`` only when backward does not need them (e.g. an embedding)."""
