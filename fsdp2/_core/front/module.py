@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 import torch
 
 from fsdp2._core.comm.transport import BackendAlloc
+from fsdp2._core.front.gradients import PendingGradients
 from fsdp2._core.front.handles import GradientReductionHandle, UnshardHandle
 from fsdp2._core.params.group import ParamGroup, Sharded
 from fsdp2._core.runtime import relayout
@@ -42,7 +43,7 @@ def _fsdp_class(cls: type) -> type:
     return fsdp_cls
 
 
-class FSDPModule:
+class FSDPModule(PendingGradients):
     """Mixin added to every module passed to :func:`fully_shard`."""
 
     _fsdp2_api = "fully_shard"  # the call that manages it (``ReplicateModule``: replicate)
@@ -50,7 +51,9 @@ class FSDPModule:
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Constructing an FSDP class (e.g. nn.Sequential slicing builds
         # ``type(self)(...)``) builds the plain original class instead.
-        orig: Any = next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
+        orig: Any = next(
+            c for c in cls.__mro__[1:] if not issubclass(c, (FSDPModule, PendingGradients))
+        )
         self = orig.__new__(orig)
         self.__init__(*args, **kwargs)
         return self
@@ -435,11 +438,19 @@ class FSDPModule:
         unsharded (``parameters()`` gives their unsharded ones then: after a forward whose
         backward has not run, ``unshard()``, ``set_reshard_after_backward(False)``), whose
         gradients the optimizer steps with. torch's FSDP2 leaves those, so the next
-        backward adds to the last step's gradients there."""
+        backward adds to the last step's gradients there. The pending gradients (no-sync
+        sums, HSDP partial sums: :meth:`get_pending_gradients`) are cleared too, as torch
+        main does; torch 2.13 leaves them to the next synced backward."""
         ctx = self._fsdp_state().ctx
         if ctx is not None:
             ctx.awaiting_refusal("zero_grad()")
         super().zero_grad(set_to_none)  # type: ignore[misc]
+        for st in self._fsdp_modules(recurse=True):  # the pending gradients too
+            for g, state in zip(st.slot.groups, st.slot.grads, strict=True):
+                state.zero(set_to_none)
+                for u in (p.unsharded for p in g.grad_params):
+                    if u is not None and u.grad is not None:
+                        u.grad = None if set_to_none else u.grad.zero_()
         for g in self._groups(recurse=True):
             if g.sharded_state is Sharded.SHARDED:
                 continue
