@@ -333,7 +333,7 @@ def _take_grads(group: ParamGroup, state: GradState) -> tuple[list[FSDPParam], l
             u.grad = None
         params.append(p)
         if p.tp is not None:
-            g = p.tp.to_local_grad(g)
+            g = p.tp.to_local_grad(g, group.reduce_dtype)
         if p.is_scalar:
             g = g.expand(group.world)
         elif p.shard_dim != 0:
