@@ -5,6 +5,7 @@ from fsdp2._core.support import compat as _compat  # noqa: F401, I001  (first: r
 from typing import TYPE_CHECKING, Any
 
 from fsdp2 import optim
+from fsdp2._version import __version__
 from fsdp2._core.front import pipelining as _pipelining  # noqa: F401  (fsdp2 enables it itself)
 from fsdp2._core.support.debug import is_debug, set_debug
 from fsdp2.api import (
@@ -61,6 +62,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "__version__",
     "AllGather",
     "CPUOffloadPolicy",
     "Comm",
