@@ -50,26 +50,32 @@ ISA_ENV = TORCHINDUCTOR_CACHE_DIR=$(or $(TMPDIR),/tmp)/fsdp2-inductor-isa-$(ISA)
 .PHONY: venv test test-long test-isa coverage suite-report train lint clean distclean compat \
 	gpu-check print-compat-tests
 
+# `make venv`: torch and fsdp2 (editable), nothing else; `make train` adds the `train` extra,
+# `make test` the test extras (.installed-test), `make lint` the tools (.installed-dev).
 venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install $(TORCH_SPEC)
+	$(BIN)/python -m pip install -e .
+	touch $(STAMP)
 
 # torchtitan (for Python 3.11+) without its requirements: what it imports is pyproject's
 # `torchtitan` extra (~18 MB); its own requirements would add datasets and tensorboard
 # (~340 MB) and wandb, which tests/integrations/torchtitan_cpu.py does without.
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install $(TORCH_SPEC)
+$(VENV)/.installed-test: $(STAMP)
 	$(BIN)/python -m pip install -e '.[test,torchtitan]'
 	if $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
 		$(BIN)/python -m pip install --no-deps torchtitan==0.3.0; fi
-	touch $(STAMP)
+	touch $@
 
 # `make test`: the main suite (CI's); `make test-long`: what runs outside it, before an issue
 # is resolved (docs/testing.md, "Outside the main suite"): the tests marked `long` and the
 # property suites' long profiles.
-test: venv
+test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-test-long: venv
+test-long: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -m long $(PYTEST_ARGS)
 	HYPOTHESIS_PROFILE=long $(BIN)/python -m pytest -q tests/property $(PYTEST_ARGS)
 
@@ -87,17 +93,17 @@ suite-report: venv
 	$(BIN)/python benchmarks/suite.py runs/junit.xml \
 		$(if $(wildcard runs/ci-stages.txt),--stages runs/ci-stages.txt)
 
-test-isa: venv
+test-isa: $(VENV)/.installed-test
 	$(ISA_ENV) $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 train: $(VENV)/.installed-train
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node 2 examples/train.py $(TRAIN_ARGS)
 
 $(VENV)/.installed-train: $(STAMP)
-	$(BIN)/python -m pip install -e '.[test,train]'
+	$(BIN)/python -m pip install -e '.[train]'
 	touch $@
 
-$(VENV)/.installed-dev: $(STAMP)
+$(VENV)/.installed-dev: $(VENV)/.installed-test
 	$(BIN)/python -m pip install -e '.[test,dev]'
 	touch $@
 
