@@ -48,7 +48,7 @@ ISA_ENV = TORCHINDUCTOR_CACHE_DIR=$(or $(TMPDIR),/tmp)/fsdp2-inductor-isa-$(ISA)
 	MKL_ENABLE_INSTRUCTIONS=$(if $(filter default,$(ISA)),SSE4_2,AVX2)
 
 .PHONY: venv test test-long test-isa coverage suite-report train lint clean distclean compat \
-	gpu-check print-compat-tests
+	gpu-check print-compat-tests wheel-check
 
 # `make venv`: torch and fsdp2 (editable), nothing else; `make train` adds the `train` extra,
 # `make test` the test extras (.installed-test), `make lint` the tools (.installed-dev).
@@ -130,6 +130,26 @@ $(COMPAT_VENVS)/torch-%/$(COMPAT_STAMP):
 
 gpu-check:
 	$(GPU_CHECK_PYTHON) benchmarks/gpu_check.py --device $(DEVICE) --out $(OUT) $(GPU_CHECK_ARGS)
+
+# The package as users install it: an sdist and a wheel (`python -m build`, `twine check`), the
+# wheel installed (not editable, with the `train` extra: the example's checkpoints need numpy)
+# beside the CPU torch in a fresh venv outside the checkout, a smoke test and
+# examples/train.py run from there (CI's `wheel` stage).
+WHEEL_VENV := build/wheel-venv
+wheel-check: $(VENV)/.installed-dev
+	rm -rf dist $(WHEEL_VENV)
+	$(BIN)/python -m build -o dist .
+	$(BIN)/twine check --strict dist/*
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install -q $(TORCH_SPEC)
+	$(WHEEL_VENV)/bin/python -m pip install -q "$$(ls dist/fsdp2-*.whl)[train]"
+	cd $(WHEEL_VENV) && bin/python -c "import fsdp2, pathlib; \
+		assert 'site-packages' in fsdp2.__file__, fsdp2.__file__; \
+		assert (pathlib.Path(fsdp2.__file__).parent / 'py.typed').exists(); print(fsdp2.__file__)"
+	cd $(WHEEL_VENV) && bin/fsdp2 --version
+	cd $(WHEEL_VENV) && OMP_NUM_THREADS=1 bin/torchrun --standalone --nproc_per_node 2 \
+		$(CURDIR)/examples/train.py --steps 4 --eval-every 0 --save-every 0 --plot none \
+		--out-dir out
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check $(LINT_PATHS)
