@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # Pinned and installed before the package: this CPU wheel lies on the machine's disk, while a
 # loose `torch` requirement with no torch installed would pull a multi-GB CUDA build.
 TORCH_SPEC := torch==2.13.0
-LINT_PATHS := fsdp2 tests benchmarks examples
+LINT_PATHS := fsdp2 tests benchmarks examples docs/site
 
 PYTEST_ARGS ?=
 TRAIN_ARGS ?=
@@ -48,7 +48,7 @@ ISA_ENV = TORCHINDUCTOR_CACHE_DIR=$(or $(TMPDIR),/tmp)/fsdp2-inductor-isa-$(ISA)
 	MKL_ENABLE_INSTRUCTIONS=$(if $(filter default,$(ISA)),SSE4_2,AVX2)
 
 .PHONY: venv test test-long test-isa coverage suite-report train lint clean distclean compat \
-	gpu-check print-compat-tests wheel-check
+	gpu-check print-compat-tests wheel-check docs docs-serve
 
 # `make venv`: torch and fsdp2 (editable), nothing else; `make train` adds the `train` extra,
 # `make test` the test extras (.installed-test), `make lint` the tools (.installed-dev).
@@ -150,6 +150,15 @@ wheel-check: $(VENV)/.installed-dev
 	cd $(WHEEL_VENV) && OMP_NUM_THREADS=1 bin/torchrun --standalone --nproc_per_node 2 \
 		$(CURDIR)/examples/train.py --steps 4 --eval-every 0 --save-every 0 --plot none \
 		--out-dir out
+
+# The documentation site (mkdocs.yml): docs/ and an API reference from the docstrings, built
+# strictly (a broken link or anchor, a docstring naming a parameter that does not exist, fail)
+# into build/site; docs-serve serves it at http://127.0.0.1:8000 while you edit.
+docs: $(VENV)/.installed-dev
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: $(VENV)/.installed-dev
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check $(LINT_PATHS)

@@ -83,7 +83,7 @@ FLOORS = [
     ["replica_optim", "clip", "fsdp2"],  # the package's face: ``fsdp2/__init__.py``
     ["optim"],
     ["_core", "models"],
-    ["muon", "api"],
+    ["muon", "api", "_version"],
 ]
 # The face re-exports the planning and checkpoint layers at first use (``_LAZY``, PEP 562):
 # imported by name from the face's ``__getattr__`` and under ``TYPE_CHECKING``, not when the
