@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # Pinned and installed before the package: this CPU wheel lies on the machine's disk, while a
 # loose `torch` requirement with no torch installed would pull a multi-GB CUDA build.
 TORCH_SPEC := torch==2.13.0
-LINT_PATHS := fsdp2 tests benchmarks examples
+LINT_PATHS := fsdp2 tests benchmarks examples docs/site
 
 PYTEST_ARGS ?=
 TRAIN_ARGS ?=
@@ -48,28 +48,34 @@ ISA_ENV = TORCHINDUCTOR_CACHE_DIR=$(or $(TMPDIR),/tmp)/fsdp2-inductor-isa-$(ISA)
 	MKL_ENABLE_INSTRUCTIONS=$(if $(filter default,$(ISA)),SSE4_2,AVX2)
 
 .PHONY: venv test test-long test-isa coverage suite-report train lint clean distclean compat \
-	gpu-check print-compat-tests
+	gpu-check print-compat-tests wheel-check docs docs-serve
 
+# `make venv`: torch and fsdp2 (editable), nothing else; `make train` adds the `train` extra,
+# `make test` the test extras (.installed-test), `make lint` the tools (.installed-dev).
 venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install $(TORCH_SPEC)
+	$(BIN)/python -m pip install -e .
+	touch $(STAMP)
 
 # torchtitan (for Python 3.11+) without its requirements: what it imports is pyproject's
 # `torchtitan` extra (~18 MB); its own requirements would add datasets and tensorboard
 # (~340 MB) and wandb, which tests/integrations/torchtitan_cpu.py does without.
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install $(TORCH_SPEC)
+$(VENV)/.installed-test: $(STAMP)
 	$(BIN)/python -m pip install -e '.[test,torchtitan]'
 	if $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
 		$(BIN)/python -m pip install --no-deps torchtitan==0.3.0; fi
-	touch $(STAMP)
+	touch $@
 
 # `make test`: the main suite (CI's); `make test-long`: what runs outside it, before an issue
 # is resolved (docs/testing.md, "Outside the main suite"): the tests marked `long` and the
 # property suites' long profiles.
-test: venv
+test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-test-long: venv
+test-long: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -m long $(PYTEST_ARGS)
 	HYPOTHESIS_PROFILE=long $(BIN)/python -m pytest -q tests/property $(PYTEST_ARGS)
 
@@ -87,17 +93,17 @@ suite-report: venv
 	$(BIN)/python benchmarks/suite.py runs/junit.xml \
 		$(if $(wildcard runs/ci-stages.txt),--stages runs/ci-stages.txt)
 
-test-isa: venv
+test-isa: $(VENV)/.installed-test
 	$(ISA_ENV) $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 train: $(VENV)/.installed-train
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node 2 examples/train.py $(TRAIN_ARGS)
 
 $(VENV)/.installed-train: $(STAMP)
-	$(BIN)/python -m pip install -e '.[test,train]'
+	$(BIN)/python -m pip install -e '.[train]'
 	touch $@
 
-$(VENV)/.installed-dev: $(STAMP)
+$(VENV)/.installed-dev: $(VENV)/.installed-test
 	$(BIN)/python -m pip install -e '.[test,dev]'
 	touch $@
 
@@ -124,6 +130,35 @@ $(COMPAT_VENVS)/torch-%/$(COMPAT_STAMP):
 
 gpu-check:
 	$(GPU_CHECK_PYTHON) benchmarks/gpu_check.py --device $(DEVICE) --out $(OUT) $(GPU_CHECK_ARGS)
+
+# The package as users install it: an sdist and a wheel (`python -m build`, `twine check`), the
+# wheel installed (not editable, with the `train` extra: the example's checkpoints need numpy)
+# beside the CPU torch in a fresh venv outside the checkout, a smoke test and
+# examples/train.py run from there (CI's `wheel` stage).
+WHEEL_VENV := build/wheel-venv
+wheel-check: $(VENV)/.installed-dev
+	rm -rf dist $(WHEEL_VENV)
+	$(BIN)/python -m build -o dist .
+	$(BIN)/twine check --strict dist/*
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install -q $(TORCH_SPEC)
+	$(WHEEL_VENV)/bin/python -m pip install -q "$$(ls dist/fsdp2-*.whl)[train]"
+	cd $(WHEEL_VENV) && bin/python -c "import fsdp2, pathlib; \
+		assert 'site-packages' in fsdp2.__file__, fsdp2.__file__; \
+		assert (pathlib.Path(fsdp2.__file__).parent / 'py.typed').exists(); print(fsdp2.__file__)"
+	cd $(WHEEL_VENV) && bin/fsdp2 --version
+	cd $(WHEEL_VENV) && OMP_NUM_THREADS=1 bin/torchrun --standalone --nproc_per_node 2 \
+		$(CURDIR)/examples/train.py --steps 4 --eval-every 0 --save-every 0 --plot none \
+		--out-dir out
+
+# The documentation site (mkdocs.yml): docs/ and an API reference from the docstrings, built
+# strictly (a broken link or anchor, a docstring naming a parameter that does not exist, fail)
+# into build/site; docs-serve serves it at http://127.0.0.1:8000 while you edit.
+docs: $(VENV)/.installed-dev
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: $(VENV)/.installed-dev
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check $(LINT_PATHS)

@@ -5,6 +5,7 @@ from fsdp2._core.support import compat as _compat  # noqa: F401, I001  (first: r
 from typing import TYPE_CHECKING, Any
 
 from fsdp2 import optim
+from fsdp2._version import __version__
 from fsdp2._core.front import pipelining as _pipelining  # noqa: F401  (fsdp2 enables it itself)
 from fsdp2._core.support.debug import is_debug, set_debug
 from fsdp2.api import (
@@ -21,6 +22,7 @@ from fsdp2.clip import clip_grad_norm_
 from fsdp2._core.front.replicate import ReplicateModule, replicate
 from fsdp2._core.front.sharding import (
     FSDPModule,
+    GradientReductionHandle,
     UnshardHandle,
     fully_shard,
     register_fsdp_forward_method,
@@ -60,11 +62,13 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "__version__",
     "AllGather",
     "CPUOffloadPolicy",
     "Comm",
     "DataParallelMeshDims",
     "FSDPModule",
+    "GradientReductionHandle",
     "MemoryEstimate",
     "MixedPrecisionPolicy",
     "OffloadPolicy",

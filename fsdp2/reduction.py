@@ -90,8 +90,9 @@ class ExchangeReduceScatter(ReduceScatter):
         block_size: fp8 only: elements per fp32 scale (each block's largest magnitude maps
             to the format's largest finite value).
 
-    ``bytes_sent`` counts the bytes this rank sent (its own piece included, as the other
-    collectives count them): a benchmark's measure of the wire.
+    ``bytes_sent`` counts this rank's whole wire-encoded input, its own piece included (which
+    it keeps, not sends; as the other collectives' byte counts do): a benchmark's measure of
+    the wire rather than of the network.
 
     Raises:
         ValueError: an unsupported ``wire_dtype`` or a ``block_size`` below 1; at the

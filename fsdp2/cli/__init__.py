@@ -26,6 +26,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from fsdp2._version import __version__
 from fsdp2.cli._checkpoint import InputError as _InputError
 from fsdp2.cli._checkpoint import cmd_convert, cmd_inspect, dtype_arg
 from fsdp2.cli._estimate import OWN_MODELS, cmd_estimate
@@ -61,6 +62,7 @@ def _sizes(text: str) -> list[tuple[int, ...]]:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="fsdp2", description="fsdp2 from the command line")
+    ap.add_argument("--version", action="version", version=f"fsdp2 {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     est = sub.add_parser(
         "estimate",

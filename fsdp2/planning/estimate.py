@@ -325,10 +325,11 @@ def estimate_memory(
         shard: which submodules get their own ``fully_shard`` call: a module class, a
             tuple of them, or a function ``module -> bool``. Default: every module held in
             an ``nn.ModuleList`` (a model's layers).
-        reshard_after_forward, mp_policy, offload_policy: ``fully_shard``'s arguments for
-            every call (the root's ``reshard_after_forward`` stays ``None``: it keeps its
-            parameters after the forward). With ``build``, ``reshard_after_forward`` is
-            applied with ``set_reshard_after_forward`` to every module but the root.
+        reshard_after_forward: ``fully_shard``'s, for every call but the root's (which stays
+            ``None``: it keeps its parameters after the forward). With ``build``, applied
+            with ``set_reshard_after_forward`` to every module but the root.
+        mp_policy: ``fully_shard``'s, for every call.
+        offload_policy: ``fully_shard``'s, for every call.
         shard_placement_fn: ``fully_shard``'s for every call (``None``: every parameter on
             dim 0). ``"auto"`` (default): as torchtitan shards a mixture of experts' stacked
             3-D parameters, on dim 1 when dim 0 (the experts) is smaller than the shard size

@@ -36,8 +36,16 @@ WINGS = ["front", "runtime", "replicas", "params", "comm", "support"]
 # (within a layer: no cycle, checked by the cycle test). Each wing is a run of layers.
 LAYERS = [
     ["front.replicate"],
-    ["front.sharding", "front.module", "front.seam", "front.state_dict", "front.pipelining"],
-    ["runtime.state", "runtime.tree_checks"],
+    [
+        "front.sharding",
+        "front.module",
+        "front.handles",
+        "front.gradients",
+        "front.seam",
+        "front.state_dict",
+        "front.pipelining",
+    ],
+    ["runtime.state", "runtime.tree_checks", "runtime.pending"],
     ["runtime.step", "runtime.relayout", "runtime.higher_order"],
     ["runtime.slot"],
     ["runtime.reduce"],
@@ -75,7 +83,7 @@ FLOORS = [
     ["replica_optim", "clip", "fsdp2"],  # the package's face: ``fsdp2/__init__.py``
     ["optim"],
     ["_core", "models"],
-    ["muon", "api"],
+    ["muon", "api", "_version"],
 ]
 # The face re-exports the planning and checkpoint layers at first use (``_LAZY``, PEP 562):
 # imported by name from the face's ``__getattr__`` and under ``TYPE_CHECKING``, not when the

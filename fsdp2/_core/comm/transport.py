@@ -111,8 +111,24 @@ def pack_for_reduce_scatter(
     # empty parameters take no room (and _chunk_cat rejects them). fsdp2.estimate_memory's
     # fake tensors hold no values, and _chunk_cat's fake kernel costs a few ops per rank
     # (seconds at 512 ranks): the packed buffer's memory is all the simulation needs
-    if grads and not isinstance(out, FakeTensor):
+    if not grads or isinstance(out, FakeTensor):
+        return out
+    if all(g.dtype == grads[0].dtype for g in grads):
         torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=out)
+        return out
+    # gradients of several dtypes (a TP gradient all-reduced in reduce_dtype beside compute-
+    # dtype ones): _chunk_cat takes one input dtype, so pack each run of one dtype apart
+    col, i = 0, 0
+    while i < len(grads):
+        j = i
+        while j < len(grads) and grads[j].dtype == grads[i].dtype:
+            j += 1
+        run = grads[i:j]
+        n = sum(-(-g.size(0) // world_size) * (g.numel() // max(g.size(0), 1)) for g in run)
+        tmp = torch.empty(world_size, n, dtype=dtype, device=out.device)
+        torch._chunk_cat(run, dim=0, num_chunks=world_size, out=tmp)
+        out[:, col : col + n].copy_(tmp)
+        col, i = col + n, j
     return out
 
 

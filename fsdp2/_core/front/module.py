@@ -1,5 +1,6 @@
 """The ``FSDPModule`` mixin (the methods every sharded module gains),
-``UnshardHandle``, ``register_fsdp_forward_method`` and ``share_comm_ctx``."""
+``register_fsdp_forward_method`` and ``share_comm_ctx``; the handles of its asynchronous
+calls are ``handles.py``'s."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any, NoReturn
 import torch
 
 from fsdp2._core.comm.transport import BackendAlloc
+from fsdp2._core.front.gradients import PendingGradients
+from fsdp2._core.front.handles import GradientReductionHandle, UnshardHandle
 from fsdp2._core.params.group import ParamGroup, Sharded
 from fsdp2._core.runtime import relayout
 from fsdp2._core.runtime.state import FSDPState, state_of
@@ -17,7 +20,7 @@ from fsdp2._core.runtime.step import StepPhase
 from fsdp2._core.support.mesh import separate_shard_group
 from fsdp2.api import AllGather, ReduceScatter
 
-__all__ = ["FSDPModule", "UnshardHandle"]
+__all__ = ["FSDPModule", "GradientReductionHandle", "UnshardHandle"]
 
 
 def _no_deepcopy(self: Any, memo: Any) -> NoReturn:
@@ -40,22 +43,7 @@ def _fsdp_class(cls: type) -> type:
     return fsdp_cls
 
 
-class UnshardHandle:
-    """Returned by ``FSDPModule.unshard(async_op=True)``."""
-
-    def __init__(self, state: FSDPState | None = None) -> None:
-        self._state = state
-
-    def wait(self) -> None:
-        """Wait for the all-gather; afterwards the unsharded parameters are
-        registered on the module and usable. Idempotent. A pending unshard is
-        also waited by the module's next forward, so calling this is optional."""
-        state, self._state = self._state, None
-        for g in state.groups if state is not None else ():
-            g.wait_if_pending()
-
-
-class FSDPModule:
+class FSDPModule(PendingGradients):
     """Mixin added to every module passed to :func:`fully_shard`."""
 
     _fsdp2_api = "fully_shard"  # the call that manages it (``ReplicateModule``: replicate)
@@ -63,7 +51,9 @@ class FSDPModule:
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Constructing an FSDP class (e.g. nn.Sequential slicing builds
         # ``type(self)(...)``) builds the plain original class instead.
-        orig: Any = next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
+        orig: Any = next(
+            c for c in cls.__mro__[1:] if not issubclass(c, (FSDPModule, PendingGradients))
+        )
         self = orig.__new__(orig)
         self.__init__(*args, **kwargs)
         return self
@@ -89,6 +79,8 @@ class FSDPModule:
         at once; the next forward of this module waits for it automatically.
         Follows the mixed-precision policy (gathers in ``param_dtype``)."""
         state = self._fsdp_state()
+        if state.ctx is not None:
+            state.ctx.awaiting_refusal("unshard()")
         for g in state.groups:
             if g.stale():  # values loaded or stepped since it was gathered
                 g.reshard()
@@ -140,6 +132,16 @@ class FSDPModule:
         gradient-accumulation microbatches."""
         self._update(recurse, gather={"reshard_after_backward": bool(reshard_after_backward)})
 
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """``True``: resharding (after forward, after backward, ``reshard()``) keeps the
+        unsharded parameters' storage allocated, so each unsharded parameter has the same data
+        pointer from one all-gather to the next (CUDA graphs, inference engines reading the
+        weights in place); the sharded parameters are registered as usual, and every
+        all-gather still writes fresh values. Costs the unsharded bytes for as long as it is
+        on. ``False`` frees at the next reshard. Tensor-subclass parameters with all-gather
+        hooks rebuild their outputs each time. torch main's API."""
+        self._update(recurse, gather={"keep_storage": bool(keep)})
+
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Whether this module's parameters are all-gathered for backward; set
         ``False`` only when backward does not need them (e.g. an embedding)."""
@@ -169,7 +171,7 @@ class FSDPModule:
         if ctx is not None:
             ctx.manual = bool(enabled)
 
-    def finalize_backward(self) -> None:
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
         """Finish the backwards run so far, on every FSDP module under this module's root:
         reduce (per the current :meth:`set_requires_gradient_sync`) the gradients no
         backward reduced, wait for every reduction, land the gradients on the sharded
@@ -178,18 +180,26 @@ class FSDPModule:
         what no-sync backwards left (a no-op after an ordinary backward). Collective:
         every rank calls it at the same point.
 
+        With ``async_op=True`` it issues the reductions and returns a
+        :class:`GradientReductionHandle` at once, whose ``wait()`` does the rest (other work,
+        a pipeline stage's next action, overlaps the reductions); until then the step is
+        open (see ``GradientReductionHandle.wait``). torch main's API (pytorch PR 196724).
+
         Raises:
-            RuntimeError: called during a forward or backward.
+            RuntimeError: called during a forward or backward, or while the handle of an
+                earlier ``finalize_backward(async_op=True)`` has not been waited.
         """
         ctx = self._fsdp_state().ctx
-        if ctx is None:
-            return  # no forward yet: nothing to finish
+        if ctx is None:  # no forward yet: nothing to finish
+            return GradientReductionHandle() if async_op else None
         if ctx.phase is not StepPhase.IDLE:
             raise RuntimeError(
                 "fsdp2: finalize_backward() called during a forward or backward; call it "
                 "after the backward (after the last micro-batch's)"
             )
-        ctx.finalize()
+        ctx.awaiting_refusal("finalize_backward()")
+        complete = ctx.finalize(async_op=async_op)
+        return GradientReductionHandle(complete) if async_op else None
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for compatibility: every backward already waits for its
@@ -428,8 +438,19 @@ class FSDPModule:
         unsharded (``parameters()`` gives their unsharded ones then: after a forward whose
         backward has not run, ``unshard()``, ``set_reshard_after_backward(False)``), whose
         gradients the optimizer steps with. torch's FSDP2 leaves those, so the next
-        backward adds to the last step's gradients there."""
+        backward adds to the last step's gradients there. The pending gradients (no-sync
+        sums, HSDP partial sums: :meth:`get_pending_gradients`) are cleared too, as torch
+        main does; torch 2.13 leaves them to the next synced backward."""
+        ctx = self._fsdp_state().ctx
+        if ctx is not None:
+            ctx.awaiting_refusal("zero_grad()")
         super().zero_grad(set_to_none)  # type: ignore[misc]
+        for st in self._fsdp_modules(recurse=True):  # the pending gradients too
+            for g, state in zip(st.slot.groups, st.slot.grads, strict=True):
+                state.zero(set_to_none)
+                for u in (p.unsharded for p in g.grad_params):
+                    if u is not None and u.grad is not None:
+                        u.grad = None if set_to_none else u.grad.zero_()
         for g in self._groups(recurse=True):
             if g.sharded_state is Sharded.SHARDED:
                 continue

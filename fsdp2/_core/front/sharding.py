@@ -13,7 +13,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp2._core.front.module import FSDPModule, UnshardHandle, _fsdp_class
+from fsdp2._core.front.module import (
+    FSDPModule,
+    GradientReductionHandle,
+    UnshardHandle,
+    _fsdp_class,
+)
 from fsdp2._core.front.state_dict import register_load_reshard, register_state_dict_hooks
 from fsdp2._core.params.group import ParamGroup
 from fsdp2._core.params.param import FSDPParam
@@ -34,6 +39,7 @@ from fsdp2.api import (
 
 __all__ = [
     "FSDPModule",
+    "GradientReductionHandle",
     "UnshardHandle",
     "fully_shard",
     "register_fsdp_forward_method",

@@ -329,8 +329,7 @@ class ParamGroup(GroupLayout):
             pending, self._pending_ag = self._pending_ag, None
             if isinstance(pending, Received):
                 pending.wait_works()  # the receives write into the buffers: then free them
-                for b in self.unsharded_bufs:
-                    _free(b, self.path)
+                self._free_unsharded()
             else:
                 pending.wait()
         if self.sharded_state is Sharded.SMALL and not to_small:
@@ -349,8 +348,7 @@ class ParamGroup(GroupLayout):
             self.sharded_state = Sharded.SMALL
         else:
             self.sharded_state = Sharded.SHARDED
-        for b in self.unsharded_bufs:
-            _free(b, self.path)
+        self._free_unsharded()
         self.released = []
         self._drop_restore_hooks()
         for p in self.ext_params:
@@ -361,6 +359,13 @@ class ParamGroup(GroupLayout):
                 if face is not None:
                     for m, n in p.owners:
                         m._parameters[n] = face  # type: ignore[assignment]  # a Parameter
+
+    def _free_unsharded(self) -> None:
+        """Free the unsharded buffers, unless ``set_keep_unsharded_storage(True)`` keeps them
+        (their data pointers then stay the same from one unshard to the next)."""
+        if not self.gather.keep_storage:
+            for b in self.unsharded_bufs:
+                _free(b, self.path)
 
     def drop_small(self) -> None:
         """Forget the ``reshard_after_forward=int`` copy (its step is over) and register
@@ -387,7 +392,7 @@ class ParamGroup(GroupLayout):
         [Note: release]."""
         if self.ext_params or self.aliased or self.sharded_state is not Sharded.UNSHARDED:
             return
-        if not self.gather.reshard_after_backward or self.released:
+        if not self.gather.reshard_after_backward or self.released or self.gather.keep_storage:
             return
         owned: dict[int, tuple[nn.Module, list[int]]] = {}
         for i, p in enumerate(self.flat_params):

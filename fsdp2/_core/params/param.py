@@ -366,10 +366,17 @@ class TPLayout:
             inner = _StridedShard(shard_dim, split_factor=split)
         return mesh, (*dp_placements[:-1], inner, *self.placements)
 
-    def to_local_grad(self, grad: torch.Tensor) -> torch.Tensor:
+    def to_local_grad(self, grad: torch.Tensor, reduce_dtype: torch.dtype | None) -> torch.Tensor:
         """The TP-local gradient, redistributed to the parameter's placements
-        first if autograd left it otherwise (e.g. Partial)."""
+        first if autograd left it otherwise (e.g. Partial): in ``reduce_dtype`` if given,
+        so a ``Partial`` gradient's all-reduce over the TP mesh sums in the policy's
+        reduction dtype as the reduce-scatter does (pytorch issue 190626)."""
         if isinstance(grad, DTensor):
+            if reduce_dtype is not None and grad.dtype != reduce_dtype:
+                if any(pl.is_partial() for pl in grad.placements):
+                    cast_grad = grad.to(reduce_dtype)
+                    assert isinstance(cast_grad, DTensor)
+                    grad = cast_grad
             want = self.placements
             if self.spmd is not None:
                 # Data-parallel dims are FSDP's to reduce: keep the local values there.

@@ -49,19 +49,31 @@ __all__ = [
 class GradState:
     """A group's gradients that outlive a backward."""
 
-    __slots__ = ("acc", "partial", "trees", "leaves")
+    __slots__ = ("acc", "partial", "partial_params", "trees", "leaves")
 
     def __init__(self) -> None:
         self.acc: dict[int, torch.Tensor] = {}  # no-sync sums in reduce_dtype, by id(param)
         self.partial: torch.Tensor | None = None  # HSDP without all-reduce: the shard-reduced sum
+        self.partial_params: list[FSDPParam] = []  # whose slices ``partial`` holds, in order
         # exact reduction: each parameter's micro-batch gradients as a canonical tree, and
         # how many micro-batches (backwards that gave the group gradients) it holds
         self.trees: dict[int, TreeSum] = {}
         self.leaves = 0
 
+    def zero(self, set_to_none: bool) -> None:
+        """``zero_grad``: drop the pending sums, or zero them in place."""
+        if set_to_none or self.trees:
+            self.clear()
+            return
+        for t in self.acc.values():
+            t.zero_()
+        if self.partial is not None:
+            self.partial.zero_()
+
     def clear(self) -> None:
         self.acc.clear()
         self.partial = None
+        self.partial_params = []
         self.trees.clear()
         self.leaves = 0
 
@@ -129,14 +141,17 @@ class Reduction:
         if self.stage is ReduceStage.REDUCE_SCATTER and replicate is not None:
             if not g.reduce.all_reduce:  # never bucketed (see bucket_key)
                 # HSDP accumulation: keep the shard-reduced sum, all-reduce it later.
-                state = self.parts[0].state
-                state.partial = output if state.partial is None else state.partial.add_(output)
+                part = self.parts[0]
+                state = part.state
+                if state.partial is not None:  # part.params include its (see _take_grads)
+                    add_by_param(output, part.params, state.partial, state.partial_params)
+                state.partial, state.partial_params = output, part.params
                 self.stage = ReduceStage.DONE
                 return True
             for part, out in self._slices(output):
                 if part.state.partial is not None:
-                    out.add_(part.state.partial)
-                    part.state.partial = None
+                    add_by_param(out, part.params, part.state.partial, part.state.partial_params)
+                    part.state.partial, part.state.partial_params = None, []
             if g.reduce.replica_shard:
                 self._scatter_over_replicas(output, replicate)
                 return False
@@ -197,6 +212,36 @@ class Reduction:
                 out.div_(self.plan.post)
             land_pieces(part.group, part.params, out)
         self.stage = ReduceStage.DONE
+
+
+def add_by_param(
+    dst: torch.Tensor, dst_params: list[FSDPParam], src: torch.Tensor, src_params: list[FSDPParam]
+) -> None:
+    """Add ``src`` (a rank's reduced slices of ``src_params``, one after another) into
+    ``dst`` (of ``dst_params``, which include them): at once when the layouts agree."""
+    if dst_params == src_params:
+        dst.add_(src)
+        return
+    where: dict[int, int] = {}
+    offset = 0
+    for p in dst_params:
+        where[id(p)] = offset
+        offset += p.padded_numel
+    offset = 0
+    for p in src_params:
+        n = p.padded_numel
+        dst.narrow(0, where[id(p)], n).add_(src.narrow(0, offset, n))
+        offset += n
+
+
+def slices_by_param(
+    flat: torch.Tensor, params: list[FSDPParam]
+) -> Iterator[tuple[FSDPParam, torch.Tensor]]:
+    """Each parameter's local shard in a rank's reduced output of ``params`` (views)."""
+    offset = flat.storage_offset()
+    for p in params:
+        yield p, flat.as_strided(p.local_shape, p.local_stride, offset)
+        offset += p.padded_numel
 
 
 def _exact_divisor(part: Part) -> float:
@@ -264,6 +309,7 @@ def accumulate_in_reduce_dtype(group: ParamGroup, state: GradState) -> None:
 def _take_grads(group: ParamGroup, state: GradState) -> tuple[list[FSDPParam], list[torch.Tensor]]:
     params, grads = [], []
     acc = state.acc
+    held = state.partial_params
     exact = group.reduce.exact
     if exact:
         push_exact(group, state)  # a gradient still on a parameter: the last micro-batch
@@ -279,14 +325,15 @@ def _take_grads(group: ParamGroup, state: GradState) -> tuple[list[FSDPParam], l
             if prev is not None:
                 g = prev if g is None else prev.add_(g)
         if g is None:
-            if not group.reduce.reduce_unused or not p.requires_grad:
+            # an HSDP partial sum's parameter keeps its slice: zeros, like an unused one
+            if (not group.reduce.reduce_unused or not p.requires_grad) and p not in held:
                 continue
             g = torch.zeros(p.shape, dtype=group.param_dtype, device=group.device)
         elif u is not None:
             u.grad = None
         params.append(p)
         if p.tp is not None:
-            g = p.tp.to_local_grad(g)
+            g = p.tp.to_local_grad(g, group.reduce_dtype)
         if p.is_scalar:
             g = g.expand(group.world)
         elif p.shard_dim != 0:

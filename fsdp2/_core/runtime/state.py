@@ -170,6 +170,7 @@ class FSDPState:
             if self.device.type != "cpu":
                 args, kwargs = tree_map(self._to_device, (args, kwargs))
         elif ctx.phase is StepPhase.IDLE:  # called outside its root's forward
+            ctx.awaiting_refusal(f"the forward of {type(module).__name__}")
             for g in self.groups:
                 relayout.before_forward(g)
         if self.groups:

@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -141,6 +142,9 @@ class StepContext:
         # finalization]
         self.manual = False
         self.unfinalized = False  # a backward ended without finalizing (manual mode)
+        # finalize_backward(async_op=True) issued the reductions; its handle's wait() ends the
+        # step. Until then: no forward, reset, unshard or second finalize (awaiting_refusal)
+        self.awaiting = False
 
     # ---- all-gathers -----------------------------------------------------------
 
@@ -276,6 +280,7 @@ class StepContext:
     def begin_forward(self) -> None:
         """The root's forward starts. From FORWARD too: a forward that raised (or a
         root forward nested in a registered method) just starts over."""
+        self.awaiting_refusal("the root's forward")
         self.phase = StepPhase.FORWARD
         if self.hold.active:  # the gradient's graph was dropped unused
             self.hold.end()
@@ -338,6 +343,7 @@ class StepContext:
 
     def reset(self) -> None:
         """Recover from an exception mid-step (``reset_iter_state``)."""
+        self.awaiting_refusal("reset_iter_state()")
         self.cancel_deferred_prefetch()
         for r in self.reductions:
             r.pending.wait()
@@ -383,12 +389,13 @@ class StepContext:
             return
         self.finalize(ended=True)
 
-    def finalize(self, ended: bool = False) -> None:
+    def finalize(self, ended: bool = False, async_op: bool = False) -> Callable[[], None] | None:
         """Finish the backwards of the step (the final callback, or ``finalize_backward()``):
         reduce, per the current gradient-sync settings, what no post-backward reduced (unused
         inputs, parameters whose gradients came late, no-sync sums), finish every reduction,
         reshard per ``reshard_after_backward``, reset. Issues collectives: every rank calls it
-        at the same point. ``ended``: a backward just ended (the final callback)."""
+        at the same point. ``ended``: a backward just ended (the final callback). ``async_op``:
+        issue the reductions, return what does the rest (``GradientReductionHandle.wait``)."""
         ended = ended or self.unfinalized
         for st in self.with_group:
             late: list[int] = []
@@ -401,6 +408,16 @@ class StepContext:
                     only = None if len(late) == len(st.groups) else late
                     self.post_backward(st, only, final=True)
         self.flush_parts()
+        if async_op:
+            self.awaiting = True
+            return lambda: self._complete(ended)
+        self._complete(ended)
+        return None
+
+    def _complete(self, ended: bool) -> None:
+        """``finalize``'s second half: wait for the reductions in flight, land the
+        gradients, reshard, end the step."""
+        self.awaiting = False
         self.drain_reductions()
         if self.pending_d2h:  # offloaded grads copied asynchronously into pinned memory
             torch.accelerator.synchronize()
@@ -422,6 +439,16 @@ class StepContext:
         for st in self.slots:
             for callback in st.on_backward_end:
                 callback()
+
+    def awaiting_refusal(self, call: str) -> None:
+        """Raise if ``finalize_backward(async_op=True)``'s handle has not been waited: the
+        gradients are still being reduced into the sharded parameters."""
+        if self.awaiting:
+            raise RuntimeError(
+                f"fsdp2: {call} called while gradient reductions started by "
+                "finalize_backward(async_op=True) are outstanding; call wait() on the "
+                "GradientReductionHandle it returned first"
+            )
 
     def _held_grad(self) -> None:
         """A gradient landed on a held group's parameter: a backward of the graph a

@@ -32,6 +32,8 @@ class GatherSettings:
             allocator), ``None`` for c10d's.
         bucket_bytes: gather with the groups that run next in one all-gather, up to this
             many unsharded bytes (``set_bucket_bytes``); ``None``: alone.
+        keep_storage: resharding keeps the unsharded storage allocated, so the unsharded
+            parameters keep their data pointers (``set_keep_unsharded_storage``).
     """
 
     post_forward: bool | int = True
@@ -39,6 +41,7 @@ class GatherSettings:
     unshard_in_backward: bool = True
     comm: AllGather | None = None
     bucket_bytes: int | None = None
+    keep_storage: bool = False
 
 
 @dataclass(frozen=True)

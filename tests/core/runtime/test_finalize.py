@@ -10,7 +10,14 @@ ranks, without pipelining (tests/integrations/test_pipelining.py covers the sche
   one reduce-scatter per group, in ``finalize_backward()``, the same gradients up to rounding
   as the replica's;
 * without the mode, ``finalize_backward()`` after an ordinary backward does nothing (no
-  collective); the errors: either call inside a forward or backward.
+  collective); the errors: either call inside a forward or backward;
+* ``finalize_backward(async_op=True)`` (torch main's, pytorch PR 196724): it issues the same
+  reduce-scatters and returns a ``GradientReductionHandle``; ``wait()`` lands the gradients
+  of the synchronous call (bitwise: the same reductions in the same order) and is
+  idempotent; while it is outstanding the next forward, ``unshard()``, ``zero_grad()``,
+  ``reset_iter_state()`` and another ``finalize_backward()`` raise, before any collective
+  and changing nothing (the step then ends and the next trains as usual); before any
+  forward the handle is empty.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from models import build, full_grads, local_loss, make_batch, shard_model
 from torch.distributed.tensor import DTensor
 
 import fsdp2
+from fsdp2 import GradientReductionHandle
 
 NAME = "mlp_head"
 
@@ -115,3 +123,57 @@ def test_finalize_noop_and_errors() -> None:
         assert out["collectives"] == 0, out
         assert len(out["errors"]) == 2, out
         assert all("during a forward or backward" in e for e in out["errors"]), out
+
+
+def _async_finalize() -> dict[str, Any]:
+    sync, asyn = _model(), _model()
+    empty = asyn.finalize_backward(async_op=True)  # before any forward
+    assert isinstance(empty, GradientReductionHandle)
+    empty.wait()
+    for m in (sync, asyn):
+        m.set_manual_backward_finalization(True)
+        for i in range(3):
+            _micro(m, i)
+    sync.finalize_backward()
+    with CommCounter() as counter:
+        handle = asyn.finalize_backward(async_op=True)
+        issued = len([c for c in counter.calls if c.kind == "RS"])
+        before_refusals = len(counter.calls)
+        assert isinstance(handle, GradientReductionHandle)
+        x, y = make_batch(NAME, 3)
+        refused = []
+        for call in (
+            lambda: asyn(mine(x)),
+            asyn.layers[0].unshard,
+            asyn.zero_grad,
+            asyn.reset_iter_state,
+            asyn.finalize_backward,
+        ):
+            try:
+                call()
+            except RuntimeError as e:
+                refused.append("GradientReductionHandle" in str(e))
+        after_refusals = len(counter.calls)
+        handle.wait()
+        handle.wait()  # idempotent
+    want, got = full_grads(sync), full_grads(asyn)
+    same = all(torch.equal(got[n], g) for n, g in want.items())
+    resharded = all(isinstance(p, DTensor) for p in asyn.parameters())
+    asyn.zero_grad()  # the step is closed: the next one trains
+    _micro(asyn, 3)
+    asyn.finalize_backward()
+    return {
+        "issued": issued,
+        "refused": refused,
+        "quiet": after_refusals == before_refusals,
+        "same": same,
+        "resharded": resharded,
+        "trains": all(p.grad is not None for p in asyn.parameters()),
+    }
+
+
+def test_finalize_async_handle() -> None:
+    for out in run_on_ranks(2, _async_finalize):
+        assert out["issued"] > 0, out
+        assert out["refused"] == [True] * 5, out
+        assert out["quiet"] and out["same"] and out["resharded"] and out["trains"], out
