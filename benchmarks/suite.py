@@ -3,13 +3,18 @@
     python benchmarks/suite.py runs/junit.xml                      # per file, the 50 slowest
     python benchmarks/suite.py runs/junit.xml --stages runs/ci-stages.txt
     python benchmarks/suite.py runs/junit.xml --check docs/testing.md  # the budget guard
+    FSDP2_HARNESS_LOG=runs/pools.log make test PYTEST_ARGS=--junitxml=runs/junit.xml
+    python benchmarks/suite.py runs/junit.xml --pools runs/pools.log   # worker pools spawned
 
 The junit file is pytest's (``make test PYTEST_ARGS=--junitxml=runs/junit.xml``; CI writes
 one). ``--stages`` reads the stage times ``.ci/run`` writes (``stage <name> <seconds>``).
-``--check`` compares the number of tests the main suite ran with the budget table of
-docs/testing.md ("| main suite | N tests | ..."): a suite that grew (or shrank) without the
-table being updated fails with exit code 1, so a new test pays for its time visibly. Line
-coverage is ``make coverage`` (coverage.py, worker processes included).
+``--pools`` reads the log ``tests/_harness.py`` writes under ``FSDP2_HARNESS_LOG``: how many
+worker pools each world size spawned, their start-up time and the tests that spawned them
+(a pool is respawned after a test that killed or hung it). ``--check`` compares the number
+of tests the main suite ran with the budget table of docs/testing.md ("| main suite | N
+tests | ..."): a suite that grew (or shrank) without the table being updated fails with exit
+code 1, so a new test pays for its time visibly. Line coverage is ``make coverage``
+(coverage.py, worker processes included).
 """
 
 from __future__ import annotations
@@ -73,6 +78,21 @@ def stages(path: str) -> str:
     return "\n".join(lines)
 
 
+def pools(path: str) -> str:
+    """The pool spawns a ``FSDP2_HARNESS_LOG`` file records (``spawn <world size> <s> <test>``)."""
+    spawns: dict[int, list[tuple[float, str]]] = collections.defaultdict(list)
+    for line in open(path):
+        parts = line.split(maxsplit=3)
+        if len(parts) == 4 and parts[0] == "spawn":
+            spawns[int(parts[1])].append((float(parts[2]), parts[3].strip()))
+    lines = ["", "worker pools spawned:", "ranks  spawns  seconds  first tests"]
+    for ws in sorted(spawns):
+        got = spawns[ws]
+        tests = ", ".join(t for _, t in got[:3]) + (" ..." if len(got) > 3 else "")
+        lines.append(f"{ws:5d}  {len(got):6d}  {sum(s for s, _ in got):7.1f}  {tests}")
+    return "\n".join(lines)
+
+
 def check(cases: list[tuple[str, str, float, str]], page: str) -> str | None:
     """``None`` if the page's budget row names the number of tests run, else why not."""
     text = open(page).read()
@@ -93,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("junit", help="pytest's --junitxml file")
     parser.add_argument("--stages", help="the stage times .ci/run wrote")
+    parser.add_argument("--pools", help="the harness's FSDP2_HARNESS_LOG file")
     parser.add_argument("--check", metavar="PAGE", help="hold the count to PAGE's budget")
     parser.add_argument("--slowest", type=int, default=50)
     args = parser.parse_args(argv)
@@ -100,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     print(report(cases, args.slowest))
     if args.stages:
         print(stages(args.stages))
+    if args.pools:
+        print(pools(args.pools))
     if args.check:
         problem = check(cases, args.check)
         if problem:
