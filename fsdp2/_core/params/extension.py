@@ -25,6 +25,12 @@
 # subclass may keep the output tensors. Resharding frees the outputs' storage and
 # the ``tensors_to_free`` (resize to 0), unsharding reallocates them.
 #
+# A subclass may also define ``fsdp_should_release_all_gather_outputs_after_post_all_gather(self)
+# -> bool`` (torch main's, pytorch PR 194114): ``True`` when its post-all-gather tensor does not
+# alias the raw outputs, which are then freed right after ``fsdp_post_all_gather`` instead of
+# at the reshard (the transformed tensor lives until the reshard as usual). Refused with an
+# int ``reshard_after_forward``, whose smaller copy is built from those outputs.
+#
 # Uneven dim-0 shards: an input whose dim 0 is the rank's row count is padded with
 # zero bytes to the padded row count (torch's FSDP2 asks the subclass to return
 # padded inputs; both are accepted), so every rank contributes the same bytes.
@@ -75,6 +81,7 @@ _PLAIN_TORCH_FUNCTION = {
     torch._C._disabled_torch_function_impl,
 }
 _PLAIN_TORCH_DISPATCH = torch.Tensor.__torch_dispatch__
+RELEASE = "fsdp_should_release_all_gather_outputs_after_post_all_gather"
 ALIGN = 16  # bytes per rank of a packed all-gather input: keeps typed views of it legal
 
 
@@ -105,6 +112,11 @@ def extension_of(local: torch.Tensor, fqn: str) -> Extension | None:
     has_post = hasattr(local, "fsdp_post_all_gather")
     if has_pre and has_post:
         return Extension(fqn, local)
+    if hasattr(local, RELEASE):
+        raise TypeError(
+            f"parameter {fqn}: {type(local).__qualname__} defines {RELEASE}, which needs "
+            "fsdp_pre_all_gather and fsdp_post_all_gather too (see docs/tensor_subclasses.md)"
+        )
     name = type(local).__qualname__
     if has_pre or has_post:
         missing = "fsdp_post_all_gather" if has_pre else "fsdp_pre_all_gather"
@@ -164,6 +176,17 @@ class Extension:
                 "module, mp_policy)"
             )
         self.new_api = n == 5
+
+    def releases(self, local: torch.Tensor) -> bool:
+        """Whether the subclass asks for its raw all-gather outputs to be freed right after
+        ``fsdp_post_all_gather`` (its ``fsdp_should_release_..._post_all_gather()``)."""
+        hook = None if self.plain else getattr(local, RELEASE, None)
+        if hook is None:
+            return False
+        answer = hook()
+        if not isinstance(answer, bool):
+            raise TypeError(f"{self.fqn}: {RELEASE}() must return a bool, got {answer!r}")
+        return answer
 
     def reset(self) -> None:
         """Forget the all-gather layout (after the local tensor moved or changed dtype)."""
@@ -291,6 +314,7 @@ class Extension:
             for t in self.to_free:
                 _alloc(t, owner)
             post(outs, self.metadata, param_dtype, out=p.unsharded)
+            self._release_outputs(local, owner)
             return False
         result = post(outs, self.metadata, param_dtype)
         if not isinstance(result, tuple) or len(result) != 2:
@@ -303,4 +327,10 @@ class Extension:
             tensor = torch.as_strided(tensor, p.shape, p.stride, 0)
         self.to_free = list(to_free)
         p.unsharded = nn.Parameter(p.wrap_unsharded(tensor), p.requires_grad)
+        self._release_outputs(local, owner)
         return True
+
+    def _release_outputs(self, local: torch.Tensor, owner: str) -> None:
+        if self.releases(local):
+            for t in self.outputs or ():
+                _free(t, owner)  # the next unshard reallocates them (alloc)

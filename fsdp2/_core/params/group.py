@@ -123,6 +123,16 @@ class ParamGroup(GroupLayout):
         self.small: SmallShard | None = None  # reshard_after_forward=int, see update()
         self._restore_hooks: list[Any] = []  # see release_unread
         super().__init__(params, info, mp_policy, offload_policy, name)
+        for p in self.ext_params:  # its answer checked (a bool) before any collective
+            assert p.ext is not None
+            if p.ext.releases(p.sharded._local_tensor):
+                if not isinstance(reshard_after_forward, bool):
+                    raise NotImplementedError(
+                        f"{p.fqn}: its tensor subclass releases the all-gather outputs after "
+                        "fsdp_post_all_gather, but reshard_after_forward="
+                        f"{reshard_after_forward} builds its smaller copy from them; use "
+                        "reshard_after_forward=True or False for this module"
+                    )
         self.update()
 
     # ---- settings --------------------------------------------------------------
