@@ -38,6 +38,9 @@ PRIVATE: dict[str, list[str]] = {
     ],
     # per-parameter meshes and Replicate() placements (groups per process group)
     "per-parameter meshes": ["tests/core/params/test_per_param_mesh.py"],
+    # a Partial DTensor cast and redistributed (functional all_reduce) in reduce_dtype;
+    # _chunk_cat packing gradients of several dtypes
+    "TP gradients in reduce_dtype": ["tests/integrations/test_tp_reduce_dtype.py"],
     # the autograd engine's final callback, _current_graph_task_id, Tensor._version,
     # _use_count, the storage use count, the Python references a tensor's object gains
     "autograd and storage internals": [

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 import fsdp2
+from fsdp2.integrations import pipelining
 
 _BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks")
 sys.path.insert(0, _BENCHMARKS)
@@ -44,6 +45,10 @@ class Stage(nn.Module):
 
 
 def _measure(raf: bool) -> int:
+    # The integration on, whatever an earlier task in this worker left (a test of the
+    # unaware path disables it): unaware, the stage reduces per micro-batch and holds no
+    # unsharded gradients (15.1 MiB measured against the 19.0 estimated, seen once).
+    pipelining.enable()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     torch.manual_seed(0)
     stage = Stage()
