@@ -24,7 +24,7 @@ def test_one_version_everywhere() -> None:
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert 'dynamic = ["version"]' in pyproject
     assert 'version = { attr = "fsdp2._version.__version__" }' in pyproject
-    assert "\nversion = \"" not in pyproject, "a second version in pyproject.toml"
+    assert '\nversion = "' not in pyproject, "a second version in pyproject.toml"
 
 
 def test_version_flag() -> None:
