@@ -5,9 +5,9 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+import pytest
 
 import fsdp2
 
@@ -27,11 +27,14 @@ def test_one_version_everywhere() -> None:
     assert '\nversion = "' not in pyproject, "a second version in pyproject.toml"
 
 
-def test_version_flag() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "fsdp2", "--version"], capture_output=True, text=True, check=True
-    )
-    assert out.stdout.strip() == f"fsdp2 {fsdp2.__version__}"
+def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """In-process (the entry point's own launch is tested by test_cli.py's subprocess run)."""
+    from fsdp2.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"fsdp2 {fsdp2.__version__}"
 
 
 def test_typed_marker_shipped() -> None:

@@ -141,6 +141,7 @@ class Extension:
 
     __slots__ = (
         "fqn",
+        "release",
         "new_api",
         "sizes",
         "dtypes",
@@ -154,6 +155,7 @@ class Extension:
 
     def __init__(self, fqn: str, local: torch.Tensor | None) -> None:
         self.fqn = fqn
+        self.release: bool | None = None  # the subclass's release answer, asked once
         # ``local=None``: a plain frozen parameter whose dtype differs from its group's
         # flat buffer (see [Note: other dtypes]); fsdp2 plays the hooks itself.
         self.plain = local is None
@@ -179,18 +181,21 @@ class Extension:
 
     def releases(self, local: torch.Tensor) -> bool:
         """Whether the subclass asks for its raw all-gather outputs to be freed right after
-        ``fsdp_post_all_gather`` (its ``fsdp_should_release_..._post_all_gather()``)."""
-        hook = None if self.plain else getattr(local, RELEASE, None)
-        if hook is None:
-            return False
-        answer = hook()
-        if not isinstance(answer, bool):
-            raise TypeError(f"{self.fqn}: {RELEASE}() must return a bool, got {answer!r}")
-        return answer
+        ``fsdp_post_all_gather`` (its ``fsdp_should_release_..._post_all_gather()``): asked
+        once, at ``fully_shard``, and again after ``reset`` (a new local shard), as torch asks
+        at initialization, not at every unshard."""
+        if self.release is None:
+            hook = None if self.plain else getattr(local, RELEASE, None)
+            answer = False if hook is None else hook()
+            if not isinstance(answer, bool):
+                raise TypeError(f"{self.fqn}: {RELEASE}() must return a bool, got {answer!r}")
+            self.release = answer
+        return self.release
 
     def reset(self) -> None:
         """Forget the all-gather layout (after the local tensor moved or changed dtype)."""
         self.sizes, self.outputs, self.to_free, self.source = None, None, [], None
+        self.release = None
 
     def stale(self, local: torch.Tensor) -> bool:
         """Whether the layout was built from a local shard of another device or dtype
