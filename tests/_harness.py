@@ -26,22 +26,26 @@ is emitted (pytest lists it in the summary). A second crash, a Python error or a
 fails the test as usual: a real bug still shows, a rare platform crash does not turn CI red.
 
 [Note: worker threads]
-Destroying a gloo process group stops its threads only once nothing refers to it any more;
-some tasks leave such references behind (a module, a mesh's cache), and each gloo group kept
-alive holds a few threads whose network loops wake up: 4 idle workers holding 100 leaked
-groups each (300 threads) burn 0.37 of a core between tasks. Over the main suite a 4-rank
-worker gathered about 640 threads, the load average rose above 30 on 2 cores, and a recipe
-launched with torchrun took 36 s instead of 7. So a pool whose worker holds more than
-``_MAX_WORKER_THREADS`` threads after a task is discarded (a new one starts for the next task,
-2 to 5 s). The main suite took 28 min without the cap, 18 with a cap of 64 (the 4-rank pool
-then respawned 19 times, 96 s); 128 halves the respawns.
+Destroying a gloo process group stops its threads only once nothing refers to it any more,
+and each gloo group kept alive holds a few threads whose network loops wake up: 4 idle
+workers holding 100 such groups each (300 threads) burn 0.37 of a core between tasks. Over
+the main suite a 4-rank worker once gathered about 640 threads, the load average rose above
+30 on 2 cores, and a recipe launched with torchrun took 36 s instead of 7. The cause was
+this harness's ``gc.freeze()`` (below): it ran right after a task that imported modules,
+while that task's meshes were still alive (its groups are destroyed only when the next task
+starts, and a mesh fsdp2 used holds groups in its cache, in a reference cycle); frozen, they
+stayed when they became garbage a moment later, and their groups' threads with them. So the
+freeze now waits for the start of the next task, after its groups are destroyed and a
+collection ran (``tests/test_harness.py`` checks the threads stay put). As a guard against
+any other holder, a pool whose worker holds more than ``_MAX_WORKER_THREADS`` threads after a
+task is still discarded (a new one starts for the next task, 2 to 5 s).
 
 Between tasks a worker destroys the process groups the previous task created (safe then:
 the parent sends a task only once every rank finished the last one), restores torch's
 default dtype and grad mode, and runs ``gc.collect()``; objects from imports done at startup
 are frozen (``gc.freeze()``), so that collection takes ~1 ms, not ~140 ms, and so are those
-of modules a task imported (a test file, transformers, ...): after a task that imported any,
-the collection is followed by ``gc.freeze()`` again. Without that, the order of the test
+of modules a task imported (a test file, transformers, ...): the task after one that imported
+any first collects and freezes again. Without that, the order of the test
 files decided the suite's time: once a heavy import happened early (the checkpoint tests
 import transformers), every later task's collection walked its objects, and the whole suite
 took 8 min 30 s instead of 7 min 20 s. Seeding RNGs is the test's job.
@@ -333,18 +337,18 @@ def _worker_main(
         return
     conn.send_bytes(reply)
     default_dtype = torch.get_default_dtype()
+    freeze = False
     while True:
         try:
             payload = conn.recv_bytes()
         except EOFError:  # the parent closed the pool
             break
         imported = len(sys.modules)
-        reply = _run_task(payload)
+        reply = _run_task(payload, freeze)
         torch.set_default_dtype(default_dtype)
         torch.set_grad_enabled(True)
         gc.collect()
-        if len(sys.modules) != imported:  # the task imported modules (a test file, transformers)
-            gc.freeze()  # their objects too: see [Note: worker pools]
+        freeze = len(sys.modules) != imported  # (a test file, transformers)
         _save_coverage()
         conn.send_bytes(reply)
     dist.destroy_process_group()
@@ -360,10 +364,16 @@ def _save_coverage() -> None:
         cov.save()
 
 
-def _run_task(payload: bytes) -> bytes:
-    """Run one pickled ``(fn, args)``; return the pickled outcome. Locals die on return."""
+def _run_task(payload: bytes, freeze: bool) -> bytes:
+    """Run one pickled ``(fn, args)``; return the pickled outcome. Locals die on return.
+    First the last task's groups are destroyed and, if it imported modules (``freeze``),
+    what is alive is frozen: only now, once its groups are gone, is its garbage collectable
+    ([Note: worker threads])."""
     try:
         _destroy_subgroups()
+        if freeze:
+            gc.collect()
+            gc.freeze()
         fn, args = pickle.loads(payload)
         return pickle.dumps(("ok", fn(*args)))
     except BaseException:  # SystemExit and KeyboardInterrupt from a test are failures too

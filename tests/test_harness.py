@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 import pytest
 import torch
@@ -164,3 +165,41 @@ def test_worker_crashing_twice_fails() -> None:
         run_on_ranks(2, _always_segfault_rank_one, timeout=60)
     assert "rank 1 failed:\nworker died (exit code -11)" in str(info.value)
     assert run_on_ranks(2, _all_reduce_rank) == [3.0, 3.0]
+
+
+def _gloo_threads() -> int:
+    tasks = os.listdir("/proc/self/task")
+    return sum(open(f"/proc/self/task/{t}/comm").read().startswith("pt_gloo") for t in tasks)
+
+
+def _import_then_shard_on_a_new_mesh(module_dir: str, module: str) -> None:
+    """Imports a module no task imported before (so the worker freezes what is alive after
+    it), then trains an fsdp2 model on a 2D mesh whose groups are this task's own."""
+    import importlib
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp2 import fully_shard
+
+    sys.path.insert(0, module_dir)
+    try:
+        importlib.import_module(module)
+    finally:
+        sys.path.remove(module_dir)
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("r", "s"))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model(torch.ones(2, 4)).sum().backward()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_groups_of_a_task_that_imported_are_freed(tmp_path) -> None:
+    """[Note: worker threads]: a task that imported a module left its groups' threads behind
+    for the rest of the worker's life; now the next task starts with none of them."""
+    counts = []
+    for i in range(3):
+        (tmp_path / f"fresh_module_{i}.py").write_text("X = 1\n")
+        run_on_ranks(2, _import_then_shard_on_a_new_mesh, str(tmp_path), f"fresh_module_{i}")
+        counts.append(run_on_ranks(2, _gloo_threads))
+    assert counts[0] == counts[1] == counts[2], counts
