@@ -41,6 +41,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
+from fsdp2._core.params.dtypes import landing_dtypes
 from fsdp2._core.replicas.pieces import gather_rows, piece_range, whole_rows
 from fsdp2._core.support.compat import DTENSOR_SUBCLASS_DISPATCH
 from fsdp2._core.support.mesh import mesh_cache
@@ -92,6 +93,17 @@ _LOCAL = {
 _AMP_UNSCALE = aten._amp_foreach_non_finite_check_and_unscale_.default
 
 
+def _torch_function(cls: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    """``PieceGrad.__torch_function__`` on torch < 2.13 (``_check_function``'s rules, then
+    the function on the pieces as DTensors). A function of its own so that a test on a
+    newer torch can install it (tests/core/replicas/test_replica_grads.py)."""
+    kwargs = kwargs or {}
+    owner = _check_function(func, args, kwargs)
+    with torch._C.DisableTorchFunctionSubclass():
+        out = func(*args, **kwargs)
+    return tree_map(lambda t: _as_piece(t, owner), out)
+
+
 class PieceGrad(DTensor):
     """The gradient of ``fp`` (an HSDP parameter whose gradient is sharded over the
     replicas by ``fsdp2.replica_optim``): this rank's piece, as a DTensor the standard tools
@@ -124,16 +136,7 @@ class PieceGrad(DTensor):
         return tree_map(lambda t: _as_piece(t, owner), out)
 
     if not DTENSOR_SUBCLASS_DISPATCH:  # torch < 2.13: the ops never reach the method above
-
-        @classmethod
-        def __torch_function__(
-            cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
-        ) -> Any:
-            kwargs = kwargs or {}
-            owner = _check_function(func, args, kwargs)
-            with torch._C.DisableTorchFunctionSubclass():
-                out = func(*args, **kwargs)
-            return tree_map(lambda t: _as_piece(t, owner), out)
+        __torch_function__ = classmethod(_torch_function)
 
     def full_tensor(self, *, grad_placements: Any = None) -> torch.Tensor:
         """The whole gradient, every rank (all-gathers the pieces over the replicas, then
@@ -387,12 +390,12 @@ def land_pieces(group: ParamGroup, params: list[FSDPParam], output: torch.Tensor
     replicas, rank = group.info.replicate_size, pg.rank()
     flat = group.sharded_flat
     offset = 0
-    for p in params:
+    for p, dtype in zip(params, landing_dtypes(params, output.dtype), strict=True):
         start, length, c = piece_range(p.local_numel, replicas, rank)
         g = output.narrow(0, offset, length)
         offset += c
-        if g.device != flat.device or g.dtype != group.orig_dtype:
-            g = g.to(device=flat.device, dtype=group.orig_dtype)
+        if g.device != flat.device or g.dtype != dtype:  # [Note: gradient dtypes]
+            g = g.to(device=flat.device, dtype=dtype)
         held = p.sharded.grad
         if isinstance(held, PieceGrad):
             held._local_tensor.add_(g)

@@ -13,7 +13,10 @@ numbers, never a silent 0 ([Note: pieces as .grad] in fsdp2/_core/replicas/piece
   overflowing at one step: every rank skips that step and halves the scale, as torch's
   plain HSDP does, and the parameters end equal to plain HSDP's and torch's;
 * what needs the gradient in its layout (a view, a reduction over a dim, an op with a
-  tensor of another layout, pickling) raises naming the parameter and ``.whole()``.
+  tensor of another layout, pickling) raises naming the parameter and ``.whole()``;
+* the same tools and refusals with torch < 2.13's rules (torch functions, not aten ops:
+  DTensor's dispatch there never calls a subclass's) installed on this torch, so that the
+  main suite runs them too, not only ``make compat``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from helpers import hsdp_mesh
 from models import build, full_grads, full_params, local_loss, make_batch, rank_slice, shard_model
 
 import fsdp2
+from fsdp2._core.replicas import piece_grad
 from fsdp2._core.replicas.piece_grad import PieceGrad
 from fsdp2.replica_optim import shard_over_replicas
 
@@ -136,6 +140,38 @@ def _refusals() -> list[str]:
 
 def test_what_needs_the_layout_raises_naming_the_parameter() -> None:
     for msg in run_on_ranks(4, _refusals)[0]:
+        assert "layers.0.attn.qkv.weight" in msg and ".whole()" in msg, msg
+
+
+def _older_torch_dispatch(cls: Any, func: Any, types: Any, args: Any = (), kw: Any = None) -> Any:
+    """What an op on a PieceGrad does on torch < 2.13: DTensor's own dispatch, as if it
+    were a DTensor (no rule, no PieceGrad out); an in-place op returns its input."""
+    out = func(*piece_grad.tree_map(piece_grad._as_dtensor, args), **(kw or {}))
+    return args[0] if piece_grad._mutates_first(func) else out
+
+
+def _with_older_torch_rules(task: Any) -> Any:
+    if not piece_grad.DTENSOR_SUBCLASS_DISPATCH:  # torch < 2.13: its own rules already
+        return task()
+    own = PieceGrad.__dict__["__torch_dispatch__"]
+    PieceGrad.__torch_dispatch__ = classmethod(_older_torch_dispatch)  # type: ignore[assignment]
+    PieceGrad.__torch_function__ = classmethod(piece_grad._torch_function)  # type: ignore[assignment]
+    try:
+        return task()
+    finally:
+        PieceGrad.__torch_dispatch__ = own
+        del PieceGrad.__torch_function__  # DTensor's again (disabled)
+
+
+def _tools_and_refusals_older_torch() -> list[str]:
+    _with_older_torch_rules(_tools)
+    return _with_older_torch_rules(_refusals)
+
+
+def test_torch_function_rules_of_older_torch() -> None:
+    """compat.DTENSOR_SUBCLASS_DISPATCH's other side, on this torch: the clipping, norms and
+    step of ``_tools`` and the refusals of ``_refusals`` under the torch-function rules."""
+    for msg in run_on_ranks(4, _tools_and_refusals_older_torch)[0]:
         assert "layers.0.attn.qkv.weight" in msg and ".whole()" in msg, msg
 
 
