@@ -17,6 +17,7 @@ from fsdp2.api import (
     OffloadPolicy,
     ReduceScatter,
     ShardPlacementResult,
+    cpu_offload_by_budget,
 )
 from fsdp2.clip import clip_grad_norm_
 from fsdp2._core.front.replicate import ReplicateModule, replicate
@@ -79,6 +80,7 @@ __all__ = [
     "UnshardHandle",
     "checkpoint",
     "clip_grad_norm_",
+    "cpu_offload_by_budget",
     "estimate_memory",
     "fully_shard",
     "is_debug",

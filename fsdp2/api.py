@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 __all__ = [
     "AllGather",
@@ -23,6 +24,7 @@ __all__ = [
     "OffloadPolicy",
     "ReduceScatter",
     "ShardPlacementResult",
+    "cpu_offload_by_budget",
 ]
 
 
@@ -46,23 +48,44 @@ class MixedPrecisionPolicy:
             all-gather and of forward/backward compute. ``None`` keeps the
             original dtype.
         reduce_dtype: dtype of gradient reduction (reduce-scatter and, for
-            HSDP, all-reduce). ``None`` reduces in the compute dtype. When
-            gradient sync is disabled, unsharded gradients accumulate in this
-            dtype. Equal to ``param_dtype`` means the same as ``None``.
+            HSDP, all-reduce). ``None`` reduces in the dtype of the gradients:
+            the compute dtype, unless a ``grad_dtype`` says otherwise (see below).
+            When gradient sync is disabled, unsharded gradients accumulate in this
+            dtype. Equal to ``param_dtype`` means the same as ``None`` for
+            parameters without an explicit ``grad_dtype``.
         output_dtype: dtype that floating-point forward outputs are cast to;
             ``None`` leaves outputs alone.
         cast_forward_inputs: whether floating-point forward inputs are cast to
             ``param_dtype`` before this module's forward.
+        grad_dtype: the dtype of the group's floating-point parameters' gradients
+            (``param.grad``, what the optimizer reads), as if each parameter's
+            ``Tensor.grad_dtype`` were set to it before ``fully_shard`` (torch main, pytorch
+            PR 197368): e.g. fp32 gradients of bf16 parameters. With ``reduce_dtype``
+            ``None`` backward accumulates and reduces them in ``grad_dtype`` too. ``None``
+            (default): each parameter's own ``grad_dtype`` (by default its dtype).
+            Parameter storage and the all-gather are unchanged. Needs torch's
+            ``Tensor.grad_dtype`` (2.13+).
+
+    ``reduce_dtype=None`` follows each parameter's explicit ``grad_dtype`` (set before
+    ``fully_shard``) and, in a group whose gradients have several dtypes, reduces in their
+    promoted dtype (docs/mixed_precision.md, "Gradient dtypes").
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    grad_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):
             _check_dtype(name, getattr(self, name))
+        grad = self.grad_dtype
+        if grad is not None and not (isinstance(grad, torch.dtype) and grad.is_floating_point):
+            raise ValueError(  # ValueError for a string too, as torch main's
+                f"MixedPrecisionPolicy.grad_dtype must be a floating-point dtype or None, "
+                f"got {grad!r}"
+            )
         if not isinstance(self.cast_forward_inputs, bool):
             raise TypeError(
                 "MixedPrecisionPolicy.cast_forward_inputs must be a bool, "
@@ -82,17 +105,88 @@ class CPUOffloadPolicy(OffloadPolicy):
     the CPU; copy shards host-to-device before each all-gather and gradients
     device-to-host after each reduce-scatter. The optimizer step runs on CPU.
 
+    The two phase flags (torch main, pytorch PR 192441) say where the sharded
+    parameters (and their gradients) are between the phases of a step; both
+    ``True`` (the default) is the behaviour above, both ``False`` no offloading.
+
     Attributes:
         pin_memory: pin the CPU shards and gradients so the copies can be
             asynchronous and overlap compute. Set ``False`` when pinned host
             memory is scarce.
+        offload_after_forward: from the end of a forward with grad enabled to
+            the group's backward (the activation peak), the sharded parameters
+            are on the CPU. ``False`` with ``offload_after_backward=True``:
+            they are brought to the device by the forward and stay there until
+            the group's backward is done (no host-to-device copy in backward).
+        offload_after_backward: after the group's backward and at rest, the
+            sharded parameters and gradients are on the CPU, so the optimizer
+            step runs there. ``False``: they rest on the device (the optimizer
+            and its state are on the device; a device-side fused optimizer
+            works), and ``offload_after_forward=True`` moves them to the CPU
+            from the end of forward to the group's backward only.
     """
 
     pin_memory: bool = True
+    offload_after_forward: bool = True
+    offload_after_backward: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.pin_memory, bool):
-            raise TypeError(f"CPUOffloadPolicy.pin_memory must be a bool, got {self.pin_memory!r}")
+        for name in ("pin_memory", "offload_after_forward", "offload_after_backward"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"CPUOffloadPolicy.{name} must be a bool, got {value!r}")
+
+
+def _select_largest_first(fqn_numbytes: list[tuple[str, int]], budget_bytes: int) -> list[str]:
+    """The names to offload under ``budget_bytes``: sorted by size, largest first (equal
+    sizes by name), the longest prefix of that order whose sizes add up to at most the
+    budget. It stops at the first entry that does not fit, even if a smaller one after it
+    would (a prefix, not a knapsack: with sizes 400, 200, 40 a budget of 399 selects
+    nothing), so the result never exceeds the budget, does not depend on the input order,
+    and grows (as a superset) when the budget does. Plain Python data, no torch."""
+    selected: list[str] = []
+    used = 0
+    for fqn, numbytes in sorted(fqn_numbytes, key=lambda item: (-item[1], item[0])):
+        used += numbytes
+        if used > budget_bytes:
+            break
+        selected.append(fqn)
+    return selected
+
+
+def cpu_offload_by_budget(
+    module: nn.Module, budget_bytes: int, *, pin_memory: bool = True
+) -> dict[str, OffloadPolicy]:
+    """A per-parameter offload map for ``fully_shard(module, offload_policy=...)``:
+    ``module``'s parameters (``named_parameters()`` names, tied ones once), largest
+    first, until ``budget_bytes`` of (full, unsharded) parameter bytes are on the CPU.
+    Each selected name maps to ``CPUOffloadPolicy(pin_memory=pin_memory)``; the others
+    are left out of the map (they stay on the device). A budget of 0 offloads nothing; one
+    at or above the total offloads everything (as ``CPUOffloadPolicy()`` does).
+
+    The selection is the longest largest-first prefix that fits (``_select_largest_first``):
+    it stops at the first parameter over the remaining budget, even if smaller ones would
+    still fit, so raising the budget only ever adds parameters.
+
+    Names are relative to ``module``: pass the map to the ``fully_shard`` call of that
+    very module (parameters of submodules sharded by their own ``fully_shard`` call are not
+    managed by it: build their maps from those submodules).
+
+    Raises:
+        TypeError: ``budget_bytes`` is not a number, ``module`` not an ``nn.Module``.
+        ValueError: ``budget_bytes`` is negative.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"cpu_offload_by_budget takes an nn.Module, got {type(module).__name__}")
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)):
+        raise TypeError(
+            f"cpu_offload_by_budget: budget_bytes must be a number of bytes, got {budget_bytes!r}"
+        )
+    if budget_bytes < 0:
+        raise ValueError(f"budget_bytes must be non-negative, but got {budget_bytes}")
+    sizes = [(n, p.numel() * p.element_size()) for n, p in module.named_parameters()]
+    policy = CPUOffloadPolicy(pin_memory=pin_memory)
+    return {fqn: policy for fqn in _select_largest_first(sizes, budget_bytes)}
 
 
 def _dim_names(field: str, value: object) -> tuple[str, ...]:
@@ -234,7 +328,8 @@ def as_mixed_precision_policy(policy: object) -> MixedPrecisionPolicy:
         return policy
     fields = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
     if "MixedPrecisionPolicy" in _class_names(policy) and all(hasattr(policy, f) for f in fields):
-        return MixedPrecisionPolicy(**{f: getattr(policy, f) for f in fields})
+        kw = {f: getattr(policy, f) for f in fields}
+        return MixedPrecisionPolicy(**kw, grad_dtype=getattr(policy, "grad_dtype", None))
     raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(policy).__name__}")
 
 
@@ -250,7 +345,11 @@ def as_offload_policy(policy: object) -> OffloadPolicy:
         return policy
     names = _class_names(policy)
     if "CPUOffloadPolicy" in names and hasattr(policy, "pin_memory"):
-        return CPUOffloadPolicy(pin_memory=policy.pin_memory)
+        return CPUOffloadPolicy(  # torch main's phase flags too, where its policy has them
+            pin_memory=policy.pin_memory,
+            offload_after_forward=getattr(policy, "offload_after_forward", True),
+            offload_after_backward=getattr(policy, "offload_after_backward", True),
+        )
     if type(policy).__name__ == "OffloadPolicy":
         return OffloadPolicy()
     hint = (

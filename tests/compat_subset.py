@@ -25,6 +25,8 @@ SWITCHES: dict[str, list[str]] = {
     "RS_API": ["tests/core/test_parity.py"],
     # a DTensor subclass's own __torch_dispatch__ (2.13+) or the torch-function checks
     "DTENSOR_SUBCLASS_DISPATCH": ["tests/core/replicas/test_replica_grads.py"],
+    # Tensor.grad_dtype (2.13+): gradient dtypes of their own, or each parameter's dtype
+    "GRAD_DTYPE": ["tests/core/params/test_grad_dtype.py"],
 }
 
 PRIVATE: dict[str, list[str]] = {

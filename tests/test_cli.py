@@ -1,7 +1,8 @@
 """The ``fsdp2`` command (fsdp2/cli/__init__.py): docs/cli.md's commands run exactly as shown, with
-the output the page shows; ``python -m fsdp2`` is the same command; ``fsdp2 estimate``'s
-numbers are ``fsdp2.estimate_memory``'s, to the byte (JSON, HSDP mesh, a sweep); the inputs a
-person gets wrong exit 1 or 2 with a message saying what to fix.
+the output the page shows (stdout, and stderr where the page shows it); ``python -m fsdp2`` is
+the same command; ``fsdp2 estimate``'s numbers are ``fsdp2.estimate_memory``'s, to the byte
+(JSON, HSDP mesh, a sweep); the inputs a person gets wrong exit 1 or 2 with a message saying
+what to fix.
 
 Most runs call ``fsdp2.cli.main`` in this process (``fsdp2()`` in test_cli_checkpoint.py);
 one runs ``python -m fsdp2`` in a subprocess, and test_cli_checkpoint.py runs the console
@@ -44,6 +45,18 @@ def _page() -> list[tuple[str, str]]:
     return [(cmd.strip(), out) for cmd, out in pairs]
 
 
+def _page_stderr() -> list[tuple[str, str]]:
+    """``(command, stderr)`` for each plain block of the page that shows what a command says on
+    stderr (its lines start with ``fsdp2 <subcommand>:``): the command is the page's last
+    ``sh`` block before it."""
+    text = open(PAGE).read()
+    out = []
+    for m in re.finditer(r"^```\n(fsdp2 \w+: .*?)^```", text, re.M | re.S):
+        commands = re.findall(r"```sh\n(.*?)```", text[: m.start()], re.S)
+        out.append((commands[-1].strip(), m.group(1)))
+    return out
+
+
 def test_page_commands_print_what_the_page_shows(tmp_path: Any, monkeypatch: Any) -> None:
     from _harness import run_on_ranks
 
@@ -52,12 +65,18 @@ def test_page_commands_print_what_the_page_shows(tmp_path: Any, monkeypatch: Any
     os.symlink(os.path.join(ROOT, "examples"), tmp_path / "examples")
     run_on_ranks(2, save_sharded_llama, str(tmp_path / "ckpt"))
     monkeypatch.chdir(tmp_path)
+    stderr = {}
     for command, shown in pairs:
         argv = shlex.split(command)
         assert argv[0] == "fsdp2", command
         code, out, err = fsdp2(*argv[1:])
         assert code == 0, (command, err[-3000:])
         assert out == shown, (command, out)
+        stderr[command] = err
+    shown_stderr = _page_stderr()
+    assert shown_stderr, "the page shows what fsdp2 convert leaves out, on stderr"
+    for command, shown in shown_stderr:
+        assert stderr[command] == shown, (command, stderr[command])
 
 
 def _config(tmp_path: Any) -> str:

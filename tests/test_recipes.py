@@ -7,7 +7,8 @@ are the venv's), in a fresh directory holding a link to ``examples/``, on 2 to 4
 exits 0 (no abort at exit either: see [Note: clean exit] in fsdp2/_core/support/clean_exit.py) and
 prints its closing line. Every ``python`` block of docs/ marked as an excerpt of a script
 (``<!-- excerpt: examples/x.py -->`` on the line before) is that script's text, verbatim;
-the other ``python`` blocks of docs/huggingface.md run, in order, in one namespace.
+the other ``python`` blocks of docs/huggingface.md run, in order, in one namespace, and print
+what their comments show.
 ``examples/hf_finetune.py`` trains with the same losses and weights, bit for bit, with
 transformers' activation checkpointing, torch's ``checkpoint_wrapper`` and none.
 """
@@ -131,6 +132,11 @@ def test_huggingface_page_runs() -> None:
     for block in blocks:
         exec(compile(block, "docs/huggingface.md", "exec"), namespace)
     assert namespace["est"].peak_bytes > 0
+    # `print(est)  # peak 1.70 GiB per rank, in ... ...`: the printed text holds the comment's
+    shown = re.findall(r"^print\((\w+)\)  # (.*?)(?: \.\.\.)?$", "\n".join(blocks), re.M)
+    assert shown, "the page shows what print(est) prints"
+    for name, text in shown:
+        assert text in str(namespace[name]), (text, str(namespace[name]))
 
 
 @pytest.mark.parametrize("command", _commands())

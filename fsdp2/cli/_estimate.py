@@ -271,6 +271,7 @@ def scale(a: Any, b: Any, at: tuple[int, int], n: int) -> Any:
     when = max(moments, key=lambda key: sum(moments[key].values()))
     parts = moments[when]
     held = {k: lin(a.held[k], b.held[k]) for k in b.held}
+    on_host = {k: lin(a.held_on_host[k], b.held_on_host[k]) for k in b.held_on_host}
     # the groups gathered at that moment of the 3-block run, named as in the whole model
     at_when = next(w for w in b.moments if when in _positions(w, at[1]))
     unsharded = tuple(
@@ -281,6 +282,7 @@ def scale(a: Any, b: Any, at: tuple[int, int], n: int) -> Any:
         peak_bytes=sum(parts.values()),
         parts=parts,
         held=held,
+        held_on_host=on_host,
         when=rename(when),
         unsharded=unsharded,
         host_peak_bytes=lin(a.host_peak_bytes, b.host_peak_bytes),
@@ -396,6 +398,7 @@ def _as_dict(est: Any, budget: int | None) -> dict[str, Any]:
         "unsharded": list(est.unsharded),
         "host_peak_bytes": est.host_peak_bytes,
         "held": est.held,
+        "held_on_host": est.held_on_host,
     }
     if budget is not None:
         out["device_memory_bytes"] = budget

@@ -6,7 +6,7 @@ the piece, [Note: pieces as .grad] in fsdp2/_core/replicas/piece_grad.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,16 +33,23 @@ def over_replicas(
     return wrapped
 
 
-def held(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+def held(
+    model: nn.Module, opt: torch.optim.Optimizer, only: Sequence[torch.Tensor] | None = None
+) -> dict[str, int]:
     """The bytes of this rank's shards of the parameters, their gradients (or pieces of them)
-    and the optimizer state (``MemoryEstimate.held``); tied parameters once."""
+    and the optimizer state (``MemoryEstimate.held``); tied parameters once. ``only``: of
+    these parameters alone (``MemoryEstimate.held_on_host``)."""
 
     def local(t: torch.Tensor) -> int:
         t = t.to_local() if hasattr(t, "to_local") else t
         return t.numel() * t.element_size()
 
+    keep = None if only is None else {id(p) for p in only}
     params = list({id(p): p for p in model.parameters()}.values())
-    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    if keep is not None:
+        params = [p for p in params if id(p) in keep]
+    states = [s for p, s in opt.state.items() if keep is None or id(p) in keep]
+    state = [v for s in states for v in s.values() if isinstance(v, torch.Tensor)]
     return {
         "parameters": sum(local(p) for p in params),
         "gradients": sum(local(p.grad) for p in params if p.grad is not None),  # pieces too

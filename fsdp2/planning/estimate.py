@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -27,12 +27,12 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp2._core.front.seam import compute_device
+from fsdp2._core.front.seam import compute_device, rests_on_host
 from fsdp2._core.front.sharding import FSDPModule, fully_shard
 from fsdp2._core.support.debug import is_debug, set_debug
 from fsdp2._core.support.observe import HUB
 from fsdp2.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from fsdp2.planning import _experts, _fake, _held
+from fsdp2.planning import _experts, _fake, _held, _offload
 from fsdp2.planning.stage import stage_step
 from fsdp2.planning.tracker import PARTS, Tracker, sort_persistent
 
@@ -80,6 +80,9 @@ class MemoryEstimate:
     """What this rank holds from step to step, in bytes: ``"parameters"`` (its shards),
     ``"gradients"`` (its sharded gradients, all landed) and ``"optimizer state"``; on the
     compute device or, with CPU offload, the host."""
+    held_on_host: dict[str, int] = field(default_factory=dict)
+    """Of ``held``, what rests on the host: the groups whose CPU offload keeps their state
+    there between steps (``offload_after_backward=True``), also on a CPU plan."""
     alternatives: tuple[MemoryEstimate, ...] = field(default=())
     """The same step simulated with other settings (``reshard_after_forward`` choices,
     with/without CPU offload): pick the one that fits."""
@@ -259,6 +262,7 @@ def _simulate(
             tracker.where = "optimizer step"
             opt.step()
             held = _held.held(model, opt)
+            held_on_host = _held.held(model, opt, rests_on_host(model))
             opt.zero_grad(set_to_none=True)
             tracker.check_peak()
     shape = tuple(mesh.shape)
@@ -273,6 +277,7 @@ def _simulate(
         mesh_shape=shape,
         device=device.type,
         held=held,
+        held_on_host=held_on_host,
         moments=tracker.moments or {},
         moment_unsharded=tracker.moment_unsharded,
     )
@@ -287,7 +292,7 @@ def estimate_memory(
     shard: type | tuple[type, ...] | Callable[[nn.Module], bool] | None = None,
     reshard_after_forward: bool | int | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
-    offload_policy: OffloadPolicy | None = None,
+    offload_policy: OffloadPolicy | Mapping[str, OffloadPolicy] | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Any] | str | None = "auto",
     optimizer: str | Callable[[list[nn.Parameter]], torch.optim.Optimizer] = "adamw",
     step_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
@@ -329,7 +334,9 @@ def estimate_memory(
             ``None``: it keeps its parameters after the forward). With ``build``, applied
             with ``set_reshard_after_forward`` to every module but the root.
         mp_policy: ``fully_shard``'s, for every call.
-        offload_policy: ``fully_shard``'s, for every call.
+        offload_policy: ``fully_shard``'s, for every call; or a mapping from parameter names
+            relative to ``model`` (``fsdp2.cpu_offload_by_budget(model, budget)``), each
+            call given the names under its module, relative to it.
         shard_placement_fn: ``fully_shard``'s for every call (``None``: every parameter on
             dim 0). ``"auto"`` (default): as torchtitan shards a mixture of experts' stacked
             3-D parameters, on dim 1 when dim 0 (the experts) is smaller than the shard size
@@ -422,11 +429,9 @@ def estimate_memory(
         opt = _held.over_replicas(opt, mesh_shape)
     step = step_fn or _default_step
     mp = mp_policy or MixedPrecisionPolicy()
-    offload = offload_policy or OffloadPolicy()
-    if isinstance(offload, CPUOffloadPolicy):  # pinned or not, the same bytes (and pinning
-        offload = CPUOffloadPolicy(pin_memory=False)  # needs an accelerator the plan may lack)
+    offload = _offload.unpinned(OffloadPolicy() if offload_policy is None else offload_policy)
 
-    def builder(rshd: bool | int, off: OffloadPolicy) -> Callable[[DeviceMesh], nn.Module]:
+    def builder(rshd: bool | int, off: _offload.Offload) -> Callable[[DeviceMesh], nn.Module]:
         assert isinstance(model, nn.Module)
 
         # Copied on the meta device (deepcopy does not work in the fake mode), then
@@ -437,15 +442,19 @@ def estimate_memory(
             ties = _held.ties(meta)
             m = meta.to_empty(device=dev)
             _held.retie(ties)  # tied parameters stay one parameter, as training keeps them
-            kw: dict[str, Any] = {"mesh": mesh, "mp_policy": mp, "offload_policy": off}
+            kw: dict[str, Any] = {"mesh": mesh, "mp_policy": mp}
             kw["shard_placement_fn"] = (
                 _experts.auto(mesh.shape[-1])
                 if shard_placement_fn == "auto"
                 else shard_placement_fn
             )
-            for block in _select_blocks(m, shard):
-                fully_shard(block, reshard_after_forward=rshd, **kw)
-            fully_shard(m, **kw)
+            blocks = _select_blocks(m, shard)
+            calls = _offload.per_call(off, m, blocks)
+            for block in blocks:
+                fully_shard(
+                    block, reshard_after_forward=rshd, offload_policy=calls[id(block)], **kw
+                )
+            fully_shard(m, offload_policy=calls[id(m)], **kw)
             return m
 
         return build
@@ -460,14 +469,13 @@ def estimate_memory(
         choices = [first]
         if compare:
             choices += [c for c in (True, False) if c is not first]
-        offloaded = isinstance(offload, CPUOffloadPolicy)
+        named = _offload.describe(offload)
         for c in choices:
-            name = f"reshard_after_forward={c}" + (", CPU offload" if offloaded else "")
-            runs.append((builder(c, offload), None, name))
+            runs.append((builder(c, offload), None, f"reshard_after_forward={c}{named}"))
         if compare and dev != "cpu":  # (on a CPU the offload moves nothing)
-            other = OffloadPolicy() if offloaded else CPUOffloadPolicy(pin_memory=False)
+            other = OffloadPolicy() if named else CPUOffloadPolicy(pin_memory=False)
             for c in choices:
-                name = f"reshard_after_forward={c}" + ("" if offloaded else ", CPU offload")
+                name = f"reshard_after_forward={c}" + ("" if named else ", CPU offload")
                 runs.append((builder(c, other), None, name))
     if shard_over_replicas:
         runs = [(b, r, f"{s}, shard_over_replicas") for b, r, s in runs]

@@ -44,6 +44,7 @@ LAYERS = [
         "front.seam",
         "front.state_dict",
         "front.pipelining",
+        "front.offload",
     ],
     ["runtime.state", "runtime.tree_checks", "runtime.pending"],
     ["runtime.step", "runtime.relayout", "runtime.higher_order"],
@@ -53,7 +54,14 @@ LAYERS = [
     ["replicas.piece_grad"],
     ["replicas.pieces"],
     ["params.group"],
-    ["params.layout", "params.small_shard", "params.placement"],
+    [
+        "params.layout",
+        "params.small_shard",
+        "params.placement",
+        "params.residence",
+        "params.dtypes",
+        "params.views",
+    ],
     ["params.param", "params.extension"],
     ["params.storage"],
     ["comm.collectives"],
@@ -80,7 +88,7 @@ FLOORS = [
     ["integrations", "fsdp1"],
     ["memory", "profiling", "planning"],
     ["reduction", "checkpoint"],
-    ["replica_optim", "clip", "fsdp2"],  # the package's face: ``fsdp2/__init__.py``
+    ["replica_optim", "clip", "fsdp2", "traced"],  # the package's face: ``fsdp2/__init__.py``
     ["optim"],
     ["_core", "models"],
     ["muon", "api", "_version"],

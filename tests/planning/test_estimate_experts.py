@@ -7,7 +7,8 @@ fsdp2/planning/_experts.py), and a warning naming the fix where they are held pa
   gives (parameters, gradients, AdamW state, to the byte), and its peak is no larger than on
   8 (the shipped config itself: docs/cli.md, "Mixtures of experts").
 * ``--experts-dim``: ``0`` holds whole experts on the first ranks (padding on the rest) and
-  warns naming ``--experts-dim auto``; ``auto`` on a mesh whose shard size does not divide
+  warns naming ``--experts-dim auto`` (docs/cli.md shows that warning for the full-size
+  config: the same words, other shapes); ``auto`` on a mesh whose shard size does not divide
   dim 1 keeps dim 0 and warns naming the mesh; ``1`` shards on dim 1 where dim 0 would do.
 * ``estimate_memory``: ``shard_placement_fn="auto"`` (the default), ``None`` (dim 0) and
   ``build(mesh)``'s own dim-0 sharding, each warning with its own fix; bad arguments raise.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from typing import Any
 
 import pytest
@@ -110,6 +112,11 @@ def test_experts_dim_option(mixtral: str, mesh: str, dim: str, dim1: bool, fix: 
     assert f"8 rows over {shards} shard ranks: shard ranks 8 to" in err and fix in err, err
     assert "model.layers.*.mlp.experts.gate_up_proj (8, 256, 64)" in err, err
     assert len(err.strip().splitlines()) == 1, err  # once, though 2 blocks and 2 tensors
+    if dim == "0":  # docs/cli.md's warning, for the full-size Mixtral on 64 ranks
+        text = open(os.path.join(ROOT, "docs", "cli.md")).read()
+        (shown,) = re.findall(r"^```text\n(fsdp2 estimate: warning: .*?)^```", text, re.M | re.S)
+        shape = re.compile(r"\(\d+, \d+, \d+\)")
+        assert shape.sub("(...)", err) == shape.sub("(...)", shown), (err, shown)
 
 
 # ---- estimate_memory ------------------------------------------------------------------

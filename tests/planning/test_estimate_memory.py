@@ -12,7 +12,8 @@ group, its peak against the measured one, and what a planning user relies on.
   machine (nothing is allocated), the parts add up to the peak, the alternatives
   (``reshard_after_forward``), optimizers' state sizes, ``shard_over_replicas`` (gradients
   and optimizer state in pieces over HSDP's replicas), a ``build(mesh)`` function, the
-  printed table, and the process group and engine watchers put back afterwards.
+  printed table, and the process group and engine watchers put back afterwards; a frozen
+  subclass weight using an unsharded view of its own storage counts no unsharded bytes.
 * Errors: an already sharded model, a bad mesh shape, an unknown optimizer, an output
   that is no loss, a real process group already initialized.
 """
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from _harness import run_on_ranks
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.two_tensor import TwoTensor
 
 import fsdp2
 from fsdp2._core.support.observe import HUB
@@ -235,6 +237,45 @@ def test_cpu_offload_is_simulated() -> None:
     )  # fmt: skip
     assert est.settings == "reshard_after_forward=True, CPU offload"
     assert est.peak_bytes == plain.peak_bytes and est.host_peak_bytes == 0
+
+
+class _Viewed(TwoTensor):
+    """A frozen weight's subclass with the all-gather hooks and ``fsdp_get_unsharded_view``
+    ([Note: unsharded views] in fsdp2/_core/params/views.py); ``view=False`` declines."""
+
+    view = True
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return (self.a, self.b), None
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        return None if out is not None else (type(self)(*outputs), ())
+
+    def fsdp_get_unsharded_view(self, mesh, module, mp_policy):
+        return type(self)(self.a, self.b) if self.view else None
+
+
+def test_unsharded_views_count_no_unsharded_bytes() -> None:
+    """A frozen subclass weight that lends its storage as the unsharded parameter (one shard
+    rank) adds no unsharded parameter or all-gather bytes; declining gathers its 32 KiB."""
+
+    class Declines(_Viewed):
+        view = False
+
+    parts = {}
+    for cls in (_Viewed, Declines):
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
+            w = model[0].weight.detach()
+            model[0].weight = nn.Parameter(cls(w, w.clone()), requires_grad=False)
+            model[0].requires_grad_(False)
+        est = fsdp2.estimate_memory(
+            model, torch.randn(4, 64, device="meta"), mesh_shape=1, device="cpu", compare=False
+        )
+        parts[cls.view] = est.parts
+    assert parts[True]["parameters (unsharded)"] == 0, parts
+    assert parts[True]["communication buffers"] == 0, parts
+    assert parts[False]["parameters (unsharded)"] == 2 * 64 * 64 * 4, parts
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,8 @@ the optimizer step. Rank 0 must raise within ``BOUND_S`` of the start of its run
 
 With fsdp2's debug mode on (``set_debug(True, timeout=DEBUG_TIMEOUT_S)``), rank 0's next
 collective waits for rank 1 to announce it and raises naming rank 1 and its last collective
-("rank(s) 1 did not reach it within 3 s. Their last fsdp2 collective: ..."; measured ~4 s).
+("rank(s) 1 did not reach it within 3 s. Their last fsdp2 collective: ..."; measured ~4 s):
+in the backward, the words docs/reliability.md quotes.
 Had rank 1 died after its announcement, inside gloo's collective, gloo's own error would be
 what rank 0 sees. Without debug mode rank 0 gets gloo's error ("Read error ...: Connection
 reset by peer", no rank named) as soon as the peer's sockets close (measured ~1 s), or after
@@ -17,6 +18,8 @@ the process group's timeout if the peer's process lives on.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -69,3 +72,8 @@ def test_survivor_raises(where: str, debug: bool) -> None:
     assert survivor["seconds"] < BOUND_S, survivor
     if debug:  # rank 1 died before announcing its next collective: named
         assert "rank(s) 1 did not reach it" in survivor["error"], survivor["error"]
+    if debug and where == "backward":  # the page quotes this error, up to its "..."
+        page = (Path(__file__).resolve().parents[2] / "docs" / "reliability.md").read_text()
+        (shown,) = re.findall(r"`(RuntimeError: fsdp2 debug: rank 0 .*?) \.\.\.`", page, re.S)
+        got = " ".join(survivor["error"].split())
+        assert got.startswith(" ".join(shown.split())), (got, shown)

@@ -81,6 +81,7 @@ class FSDPModule(PendingGradients):
         state = self._fsdp_state()
         if state.ctx is not None:
             state.ctx.awaiting_refusal("unshard()")
+        self._check_grad_dtypes(state)  # changed since fully_shard: RuntimeError
         for g in state.groups:
             if g.stale():  # values loaded or stepped since it was gathered
                 g.reshard()
@@ -465,8 +466,8 @@ class FSDPModule(PendingGradients):
                     grad.zero_()
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
-        # Convert the sharded parameters, never the transient unsharded ones,
-        # then move the converted shards back into the group's flat buffer.
+        # refuse first; convert the sharded params only; back into the groups' flat buffers
+        self._check_conversion(args[0] if args else kwargs["fn"])
         self.reshard()
         out = super()._apply(*args, **kwargs)  # type: ignore[misc]
         for g in self._groups(recurse=True):

@@ -8,6 +8,8 @@ or hook: the one place they touch the core's objects, so that the core can chang
 * ``comm_device_type()``: the device type the default process group communicates on.
 * ``compute_device(module)``: the device ``module``'s groups compute on (where
   ``to_empty`` materialises a meta-device model's shards).
+* ``rests_on_host(module)``: the sharded parameters kept on the host between steps (CPU
+  offload, ``offload_after_backward=True``), for the memory estimate.
 * ``install_exit_drain()``: let gloo's workers finish before interpreter exit, for a
   layer that runs collectives of its own ([Note: clean exit]).
 * ``gather_pieces(packed, sizes, make_rows, group, world, what)``: the engine's all-gather
@@ -56,6 +58,7 @@ __all__ = [
     "install_exit_drain",
     "managed_params",
     "on_backward_end",
+    "rests_on_host",
     "step_phase",
     "unit_settings",
 ]
@@ -169,6 +172,19 @@ def compute_device(module: nn.Module) -> torch.device | None:
         if st.groups:
             return st.groups[0].device
     return None
+
+
+def rests_on_host(module: nn.Module) -> list[DTensor]:
+    """The sharded parameters in ``module``'s subtree whose group keeps them, with their
+    gradients and optimizer state, on the host between steps: CPU offload with
+    ``offload_after_backward=True`` ([Note: offload by phase] in params/residence.py)."""
+    return [
+        p.sharded
+        for st in _states(module, recurse=True)
+        for g in st.groups
+        if g.residence.at_rest
+        for p in g.params
+    ]
 
 
 def on_backward_end(module: nn.Module, callback: Callable[[], None]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, overload
 
 import torch
@@ -19,6 +19,7 @@ from fsdp2._core.front.module import (
     UnshardHandle,
     _fsdp_class,
 )
+from fsdp2._core.front.offload import by_offload, offload_policies
 from fsdp2._core.front.state_dict import register_load_reshard, register_state_dict_hooks
 from fsdp2._core.params.group import ParamGroup
 from fsdp2._core.params.param import FSDPParam
@@ -34,7 +35,6 @@ from fsdp2.api import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     as_mixed_precision_policy,
-    as_offload_policy,
 )
 
 __all__ = [
@@ -57,7 +57,7 @@ def fully_shard(
     reshard_after_forward: bool | int | None = ...,
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
     mp_policy: MixedPrecisionPolicy = ...,
-    offload_policy: OffloadPolicy = ...,
+    offload_policy: OffloadPolicy | Mapping[str, OffloadPolicy] = ...,
     ignored_params: set[nn.Parameter] | None = ...,
     dp_mesh_dims: DataParallelMeshDims | None = ...,
 ) -> FSDPModule: ...
@@ -71,7 +71,7 @@ def fully_shard(
     reshard_after_forward: bool | int | None = ...,
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
     mp_policy: MixedPrecisionPolicy = ...,
-    offload_policy: OffloadPolicy = ...,
+    offload_policy: OffloadPolicy | Mapping[str, OffloadPolicy] = ...,
     ignored_params: set[nn.Parameter] | None = ...,
     dp_mesh_dims: DataParallelMeshDims | None = ...,
 ) -> list[FSDPModule]: ...
@@ -84,7 +84,7 @@ def fully_shard(
     reshard_after_forward: bool | int | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-    offload_policy: OffloadPolicy = OffloadPolicy(),
+    offload_policy: OffloadPolicy | Mapping[str, OffloadPolicy] = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> Any:
@@ -125,7 +125,13 @@ def fully_shard(
             (e.g. the expert dim of MoE weights). ``d > 0`` needs
             ``shape[d]`` divisible by the shard world size.
         mp_policy: mixed precision, see :class:`MixedPrecisionPolicy`.
-        offload_policy: see :class:`OffloadPolicy` / :class:`CPUOffloadPolicy`.
+        offload_policy: see :class:`OffloadPolicy` / :class:`CPUOffloadPolicy`; or a
+            mapping from parameter names (relative to ``module``, as its
+            ``named_parameters()`` names them; for a list, relative to each module of
+            it) to policies: names absent are not offloaded, a name that is no parameter
+            of this call (a submodule's already sharded, an ignored one) raises
+            ``ValueError``. Each policy gets a group of its own (its own collectives).
+            :func:`cpu_offload_by_budget` builds such a mapping.
         ignored_params: parameters left as they are: not sharded, not moved,
             gradients not reduced.
         dp_mesh_dims: a :class:`DataParallelMeshDims` saying which dims of
@@ -184,7 +190,7 @@ def shard_modules(
     reshard_after_forward: bool | int | None,
     shard_placement_fn: Callable[[nn.Parameter], Any] | None,
     mp_policy: MixedPrecisionPolicy,
-    offload_policy: OffloadPolicy,
+    offload_policy: OffloadPolicy | Mapping[str, OffloadPolicy],
     ignored_params: set[nn.Parameter] | None,
     make_class: Callable[[type], type],
 ) -> None:
@@ -192,7 +198,6 @@ def shard_modules(
     the state, the hooks and the class swap (``make_class`` of each module's class)."""
     post_forward = normalize_reshard_after_forward(reshard_after_forward, info.shard_size)
     mp_policy = as_mixed_precision_policy(mp_policy)  # torch's policies too, read by field
-    offload_policy = as_offload_policy(offload_policy)
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError(
             f"shard_placement_fn must be callable, got {type(shard_placement_fn).__name__}"
@@ -200,6 +205,7 @@ def shard_modules(
     ignored = _check_ignored(ignored_params)
     name = _group_name(modules)
     found = _collect_params(modules, ignored, name)
+    default, by_param = offload_policies(offload_policy, modules, found, ignored, name, _OWNER_ATTR)
     placed = place(found, info, mesh, dp_mesh_dims, name, shard_placement_fn)
     layouts = list(placed.values())
     for g, _ in layouts:  # a per-parameter mesh: validate against its own shard size
@@ -212,15 +218,20 @@ def shard_modules(
             f"({devices}); every mesh of one call must be on the call's device"
         )
     groups: list[ParamGroup] = []
-    for group_info, entries in layouts:
-        tag = mesh_tag(group_info) if len(layouts) > 1 else ""
+    # a group per mesh and offload policy (see [Note: offload by name] in offload.py)
+    parts = [
+        (group_info, part, policy, (mesh_tag(group_info) if len(layouts) > 1 else "") + otag)
+        for group_info, entries in layouts
+        for policy, part, otag in by_offload(entries, default, by_param)
+    ]
+    for group_info, entries, policy, tag in parts:
         params = [FSDPParam(fqn, owners, p, group_info, dim) for fqn, p, owners, dim in entries]
         originals = [p.sharded for p in params]
         group = ParamGroup(
             params,
             group_info,
             mp_policy=mp_policy,
-            offload_policy=offload_policy,
+            offload_policy=policy,
             reshard_after_forward=post_forward
             if group_info is info
             else _other_post_forward(reshard_after_forward, group_info, name),

@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from fsdp2._core.params.dtypes import check as check_grad_dtypes
 from fsdp2._core.params.group import ParamGroup, Sharded
 from fsdp2._core.params.param import _wrap
 from fsdp2._core.runtime import relayout
@@ -109,6 +110,7 @@ class _ShardFullTensors:
     def __call__(
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
     ) -> None:
+        check_grad_dtypes(self.group.params, thorough=True)  # [Note: gradient dtypes]
         if self.group.sharded_state is Sharded.UNSHARDED:
             # load into the sharded parameters; the fully_shard module's post-hook reshards
             # once its whole subtree has read its values (which may view the unsharded ones)

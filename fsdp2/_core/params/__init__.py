@@ -5,8 +5,9 @@ sharded buffer, unsharded buffers and registrations (``layout``: ``GroupLayout``
 itself with its unshard / wait / reshard and release (``group``: ``ParamGroup``), where each
 parameter goes (``placement``: ``shard_placement_fn``, per-parameter meshes), the copy kept
 on a smaller mesh between forward and backward (``small_shard``: ``reshard_after_forward=k``),
-tensor-subclass all-gather extensions (``extension``) and freeing storage in place
-(``storage``).
+tensor-subclass all-gather extensions (``extension``), where the sharded state lives between
+the phases of a step under CPU offload (``residence``), a group's dtypes and each parameter's
+gradient dtype policy (``dtypes``) and freeing storage in place (``storage``).
 
 Imports: ``comm`` and ``support``. Nothing here knows the step: a group is driven from
 above (the runtime wing).

@@ -37,7 +37,8 @@
 #
 # Anything else that is not a plain tensor (a dispatch or ``__torch_function__``
 # subclass without the hooks) cannot be flattened without losing what the subclass
-# does, so ``fully_shard`` rejects it with a TypeError.
+# does, so ``fully_shard`` rejects it with a TypeError, unless it defines the view hook
+# (then it is used through its view alone: [Note: unsharded views] in views.py).
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ _PLAIN_TORCH_FUNCTION = {
 }
 _PLAIN_TORCH_DISPATCH = torch.Tensor.__torch_dispatch__
 RELEASE = "fsdp_should_release_all_gather_outputs_after_post_all_gather"
+VIEW = "fsdp_get_unsharded_view"  # see [Note: unsharded views] in views.py
 ALIGN = 16  # bytes per rank of a packed all-gather input: keeps typed views of it legal
 
 
@@ -101,9 +103,11 @@ def is_plain(t: torch.Tensor) -> bool:
     )
 
 
-def extension_of(local: torch.Tensor, fqn: str) -> Extension | None:
+def extension_of(local: torch.Tensor, fqn: str, *, patched: bool = False) -> Extension | None:
     """The extension state for a parameter whose local tensor is ``local``, or
-    ``None`` for plain data.
+    ``None`` for plain data. ``patched``: ``local`` is a local shard given hooks as instance
+    attributes after ``fully_shard``; a plain one with only the view hook then becomes an
+    extension parameter gathered as plain data (see [Note: unsharded views] in views.py).
 
     Raises:
         TypeError: ``local`` is a subclass fsdp2 cannot shard (no hooks, or only one).
@@ -125,7 +129,9 @@ def extension_of(local: torch.Tensor, fqn: str) -> Extension | None:
             f"hooks; define {missing} too (see docs/tensor_subclasses.md)"
         )
     if is_plain(local):
-        return None
+        return Extension(fqn, None) if patched and hasattr(local, VIEW) else None
+    if hasattr(local, VIEW):
+        return Extension(fqn, local, gathers=False)
     raise TypeError(
         f"parameter {fqn} is a tensor subclass ({name}) without the FSDP all-gather "
         "extension hooks, so fsdp2 cannot shard it: its data is not plain storage that can "
@@ -151,13 +157,15 @@ class Extension:
         "to_free",
         "source",
         "plain",
+        "gathers",
+        "view_of",
     )
 
-    def __init__(self, fqn: str, local: torch.Tensor | None) -> None:
+    def __init__(self, fqn: str, local: torch.Tensor | None, *, gathers: bool = True) -> None:
         self.fqn = fqn
         self.release: bool | None = None  # the subclass's release answer, asked once
-        # ``local=None``: a plain frozen parameter whose dtype differs from its group's
-        # flat buffer (see [Note: other dtypes]); fsdp2 plays the hooks itself.
+        # ``local=None``: a plain parameter whose dtype differs from its group's flat
+        # buffer (see [Note: other dtypes] in dtypes.py); fsdp2 plays the hooks itself.
         self.plain = local is None
         self.new_api = True
         self.sizes: list[torch.Size] | None = None  # per input, dim 0 padded
@@ -168,7 +176,11 @@ class Extension:
         self.to_free: list[torch.Tensor] = []
         # (device, dtype) of the local shard the layout was built from
         self.source: tuple[torch.device, torch.dtype] | None = None
-        if local is None:
+        # False: a subclass with the view hook only, used through its view alone
+        self.gathers = gathers
+        # the local shard the unsharded parameter views ([Note: unsharded views] in views.py)
+        self.view_of: torch.Tensor | None = None
+        if local is None or not gathers:
             return
         n = len(inspect.signature(local.fsdp_pre_all_gather).parameters)  # type: ignore[attr-defined]
         if n not in (1, 5):
@@ -196,6 +208,7 @@ class Extension:
         """Forget the all-gather layout (after the local tensor moved or changed dtype)."""
         self.sizes, self.outputs, self.to_free, self.source = None, None, [], None
         self.release = None
+        self.view_of = None
 
     def stale(self, local: torch.Tensor) -> bool:
         """Whether the layout was built from a local shard of another device or dtype
@@ -286,9 +299,11 @@ class Extension:
         return [n * d.itemsize for n, d in zip(self.numels, self.dtypes, strict=True)]
 
     def segments(self, world: int) -> list[torch.Tensor]:
-        """The outputs as ``(world, numel)`` (rank-major) views."""
+        """The outputs as ``(world, numel)`` (rank-major) views, to be written: through
+        ``.data``, so that an unsharded parameter viewing an output keeps its version counter
+        (autograd may have saved it in forward; the flat parameters' copy does the same)."""
         assert self.outputs is not None
-        return [o.view(world, n) for o, n in zip(self.outputs, self.numels, strict=True)]
+        return [o.data.view(world, n) for o, n in zip(self.outputs, self.numels, strict=True)]
 
     def alloc(self, owner: str) -> None:
         assert self.outputs is not None
@@ -310,8 +325,8 @@ class Extension:
         local = p.sharded._local_tensor
         if self.plain:  # the unsharded parameter views the (reallocated) output
             if p.unsharded is None:
-                tensor = torch.as_strided(outs[0], p.shape, p.stride, 0)
-                p.unsharded = nn.Parameter(tensor, requires_grad=False)
+                tensor = p.wrap_unsharded(torch.as_strided(outs[0], p.shape, p.stride, 0))
+                p.unsharded = nn.Parameter(tensor, requires_grad=p.requires_grad)
                 return True
             return False
         post = getattr(local, "fsdp_post_all_gather")  # noqa: B009 - a subclass's hook

@@ -155,7 +155,7 @@ class ParamGroup(GroupLayout):
 
     def _plan(self) -> DividePlan:
         replicate = self.info.replicate_size if self.info.replicate_group is not None else 1
-        dtype = self.reduce_dtype or self.param_dtype
+        dtype = self.mp_policy.reduce_dtype or self.grads_dtype or self.param_dtype
         r = self.reduce
         if r.exact:  # summed, then divided once at landing (see reduce.Reduction)
             return DividePlan(None, None, dist.ReduceOp.SUM, dist.ReduceOp.SUM)
@@ -173,7 +173,9 @@ class ParamGroup(GroupLayout):
         Returns at once; ``wait_for_unshard`` makes the params usable."""
         if self.sharded_state is Sharded.UNSHARDED or self._pending_ag is not None:
             return
-        if self.aliased:  # the unsharded parameters view the sharded buffer: nothing to do
+        if self.ext_params:
+            self.take_views()  # see [Note: unsharded views] in views.py
+        if self.no_gather():  # the unsharded parameters view sharded storage: nothing to do
             self._pending_ag = _ALIASED
             return
         if self.sharded_state is Sharded.SMALL:
@@ -207,6 +209,8 @@ class ParamGroup(GroupLayout):
 
     def gather_input(self) -> torch.Tensor:
         """This rank's flat all-gather input (plain parameters)."""
+        if self.parked and not self.residence.at_rest:  # back to the device to be gathered
+            self.move_state(parked=False)  # see [Note: offload by phase] in residence.py
         flat = self.sharded_flat
         if flat.numel() and (flat.device != self.device or self.param_dtype != flat.dtype):
             # CPU offload (host-to-device) and/or param_dtype cast, in one op
@@ -224,7 +228,8 @@ class ParamGroup(GroupLayout):
         parameter (an optimizer step, ``copy_``, ``load_state_dict``): the DTensors' own
         (an op on a DTensor bumps the wrapper's counter, not its local tensor's) and the
         local storage's (ops on ``to_local()``, e.g. ``fsdp2.optim``)."""
-        v: int = self.sharded_flat._version + sum(t._version for t in self.sharded_params)
+        v: int = self.sharded_flat._version + self.flat_version_offset
+        v += sum(t._version for t in self.sharded_params)
         for p in self.ext_params:
             v += p.sharded._local_tensor._version
         return v
@@ -234,7 +239,7 @@ class ParamGroup(GroupLayout):
         (an optimizer step since its all-gather: [Note: stale unsharded])."""
         return (
             self.sharded_state is Sharded.UNSHARDED
-            and not self.aliased  # views of the sharded values: never stale
+            and not self.no_gather()  # views of the sharded values: never stale
             and self._sharded_version() != self._gathered_at
         )
 
@@ -321,7 +326,7 @@ class ParamGroup(GroupLayout):
 
     def _build_ext_unsharded(self) -> None:
         created = False
-        for p in self.ext_params:
+        for p in self.gathered:
             assert p.ext is not None
             created |= p.ext.build(p, self.param_dtype, self.path)
         if created:
@@ -386,11 +391,14 @@ class ParamGroup(GroupLayout):
         self.register_sharded()
 
     def after_forward(self) -> None:
-        """Reshard per ``reshard_after_forward`` at the end of a training forward."""
+        """Reshard per ``reshard_after_forward`` at the end of a forward; with grad enabled,
+        park the sharded state for the backward ([Note: offload by phase] in residence.py)."""
         if self.gather.post_forward is True:
             self.reshard()
         elif self.gather.post_forward is not False:
             self.reshard(to_small=True)
+        if torch.is_grad_enabled():
+            self.move_state(parked=True)
 
     # ---- what backward does not read (see [Note: release]) ----------------------
 
@@ -453,7 +461,9 @@ class ParamGroup(GroupLayout):
         self._restore_hooks = []
 
     def after_backward(self) -> None:
-        """Its gradients were taken: reshard per ``reshard_after_backward``."""
+        """Its gradients were taken: the sharded state back at rest (before they land),
+        reshard per ``reshard_after_backward``."""
+        self.move_state(parked=False)
         if self.gather.reshard_after_backward:
             self.reshard()
         elif self.sharded_state is Sharded.SMALL:

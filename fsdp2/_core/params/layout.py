@@ -18,42 +18,18 @@ from torch.distributed.tensor import DTensor
 
 from fsdp2._core.comm.gloo import is_gloo
 from fsdp2._core.comm.transport import copy_out
-from fsdp2._core.params.extension import ALIGN, Extension
+from fsdp2._core.params.dtypes import apply_policy, group_dtype, install, promoted
+from fsdp2._core.params.extension import ALIGN, VIEW, Extension
 from fsdp2._core.params.param import FSDPParam
+from fsdp2._core.params.residence import Residence, move_sharded, point_at
 from fsdp2._core.params.storage import free_storage as _free
+from fsdp2._core.params.views import blocker, check_view_only, take_views
+from fsdp2._core.support.labels import label
 from fsdp2._core.support.mesh import MeshInfo, shard_mesh
 from fsdp2._core.support.unsharded import track
-from fsdp2.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdp2.api import MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["GroupLayout", "group_dtype"]
-
-
-def group_dtype(params: list[FSDPParam], name: str) -> torch.dtype:
-    """The dtype of a group's flat buffer: its trainable parameters' (one dtype for all of
-    them: their gradients are reduced together), else its most common one.
-
-    [Note: other dtypes]
-    A frozen parameter of another dtype (a frozen float8 or bf16 weight next to fp32
-    trainable ones) keeps its own storage and is gathered as bytes in the group's one
-    all-gather, like an extension parameter whose hooks fsdp2 plays itself: the input
-    is its local shard (cast to ``param_dtype`` under mixed precision if it is floating,
-    as torch's FSDP2 does), the unsharded parameter views the output.
-    """
-    trainable = {p.sharded.dtype for p in params if p.requires_grad}
-    if len(trainable) > 1:
-        listing = ", ".join(f"{p.fqn}: {p.sharded.dtype}" for p in params if p.requires_grad)
-        raise ValueError(
-            f"fully_shard({name}) needs one dtype for the trainable parameters it groups "
-            f"(their gradients are reduced together), got {listing}. Cast the module "
-            "(module.to(dtype)) or shard the differing submodules in their own fully_shard "
-            "calls. Frozen parameters (requires_grad=False) may have other dtypes."
-        )
-    if trainable:
-        return trainable.pop()
-    counts: dict[torch.dtype, int] = {}
-    for p in params:
-        counts[p.sharded.dtype] = counts.get(p.sharded.dtype, 0) + 1
-    return max(counts, key=lambda d: counts[d])
 
 
 class GroupLayout:
@@ -75,8 +51,12 @@ class GroupLayout:
         self.path = name  # its module's path under the root, set at lazy init (for messages)
         self.mp_policy = mp_policy
         self.offload_policy = offload_policy
+        self.residence = Residence(offload_policy)  # see [Note: offload by phase]
+        self.parked = False  # the sharded state is where the forward left it, not at rest
+        self.flat_version_offset = 0  # keeps the flat's version counting across moves
         self.device = info.device
         self.world = info.shard_size
+        apply_policy(params, mp_policy, name)  # see [Note: gradient dtypes] in dtypes.py
         self.set_dtypes(group_dtype(params, name))
         # parameters frozen (requires_grad_(False)) since the group's last reduction: they
         # may hold gradients accumulated without sync, reduced with the next ones
@@ -98,18 +78,20 @@ class GroupLayout:
     def _init_storage(self) -> None:
         # Plain parameters share the flat buffer; extension parameters keep their own
         # storage (see [Note: all-gather extensions] in extension.py), and so do plain
-        # frozen parameters of another dtype (see [Note: other dtypes]).
+        # parameters of another dtype (see [Note: other dtypes] in dtypes.py).
+        check_view_only(self.params, self.world, self.mp_policy, self._offloaded())
         for p in self.params:
             if p.ext is None and p.sharded.dtype != self.orig_dtype:
                 if p.is_scalar or p.shard_dim != 0:
                     raise NotImplementedError(
-                        f"parameter {p.fqn} ({p.sharded.dtype}) is frozen with a dtype other "
+                        f"parameter {p.fqn} ({p.sharded.dtype}) has a dtype other "
                         f"than its group's ({self.orig_dtype}); fsdp2 gathers such parameters "
                         "only when sharded on dim 0 (not 0-dim ones): shard it in its own "
                         "fully_shard call or cast it"
                     )
                 p.ext = Extension(p.fqn, None)
         self.split_params()
+        self.residence.check([p.fqn for p in self.ext_params], self.name)
         self._shard_mesh: DeviceMesh | None = None
         self._assign_offsets()
         originals = [p.sharded for p in self.params]
@@ -122,7 +104,7 @@ class GroupLayout:
                 if p.ext is None and not flat.is_meta and p.local_numel:
                     p.local_view(flat).copy_(p.local_chunk(t.detach()))
         self.sharded_flat = flat
-        pin = self._pin() and self.device.type != "cpu"
+        pin = self._pin() and self.device.type != "cpu" and flat.device.type == "cpu"
         with torch.no_grad():
             for p, t in zip(self.params, originals, strict=True):
                 if p.ext is None:
@@ -149,6 +131,9 @@ class GroupLayout:
         their own storage."""
         self.flat_params = [p for p in self.params if p.ext is None]
         self.ext_params = [p for p in self.params if p.ext is not None]
+        # the extension parameters the next all-gather moves: all but those that use an
+        # unsharded view (one shard rank only: take_views)
+        self.gathered = self.ext_params
 
     def refresh_registrations(self) -> None:
         """Recompute what ``register_sharded`` / ``register_unsharded`` write and which
@@ -171,6 +156,10 @@ class GroupLayout:
         # trainable, and frozen since the last reduction (see relayout.sync_requires_grad)
         self.grad_params = [p for p in self.params if p.requires_grad or p in self.draining]
         self.has_scalars = any(p.is_scalar for p in self.grad_params)  # see reduce.py
+        # the gradients' promoted dtype: the reduction's without reduce_dtype; and their
+        # dtype policies on new faces (see [Note: gradient dtypes] in dtypes.py)
+        self.grads_dtype = promoted(self.grad_params, self.mp_policy, self.name)
+        install(self.params, self.mp_policy)
 
     def drained(self) -> None:
         """The gradients of the parameters frozen since the last reduction were taken."""
@@ -185,12 +174,11 @@ class GroupLayout:
         return self._shard_mesh
 
     def _pin(self) -> bool:
-        """Whether the sharded state lives in pinned host memory (CPU offload)."""
-        policy = self.offload_policy
-        return isinstance(policy, CPUOffloadPolicy) and policy.pin_memory
+        """Whether the sharded state rests in pinned host memory (CPU offload)."""
+        return self.residence.at_rest and self.residence.pin
 
     def _new_sharded_flat(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if isinstance(self.offload_policy, CPUOffloadPolicy) and device.type != "meta":
+        if self.residence.at_rest and device.type != "meta":
             device = torch.device("cpu")
         # Padding must be zeros: it is all-gathered and reduced like real data.
         flat = torch.zeros(self.shard_numel, dtype=dtype, device=device)
@@ -205,19 +193,45 @@ class GroupLayout:
         self.released: list[int] = []  # flat params whose buffer was released early
         # what holds each buffer now (ours only; measured once the builder's locals are gone)
         self._holders = [holders(b) for b in self.unsharded_bufs]
+        install(self.params, self.mp_policy)  # on the rebuilt unsharded parameters
 
     def _aliasable(self, device: torch.device) -> bool:
         """Whether the unsharded parameters can be views of the flat sharded buffer: one
         shard rank (each parameter whole in it, unpadded), no cast (mixed precision), no
-        move (CPU offload), no extension parameters (see [Note: replicated groups] in
-        mesh.py)."""
+        move (CPU offload), no extension parameters but ones that may use a view of their
+        own (see [Note: replicated groups] in mesh.py, [Note: unsharded views] in
+        views.py), and no moves between phases ([Note: offload by phase] in
+        residence.py)."""
         flat = self.sharded_flat
         return (
             self.world == 1
-            and not self.ext_params
+            and all(
+                hasattr(p.sharded._local_tensor, VIEW)
+                and blocker(p, 1, self.mp_policy, self._offloaded()) is None
+                for p in self.ext_params
+            )
             and flat.dtype == self.param_dtype
             and flat.device == device
+            and not self.residence.moves
         )
+
+    def _offloaded(self) -> bool:
+        return self.residence.at_rest or self.residence.after_forward
+
+    def take_views(self) -> None:
+        """Before an unshard: the extension parameters that can use an unsharded view get
+        theirs, ``gathered`` the others ([Note: unsharded views] in views.py)."""
+        if self.world == 1 and self.ext_params:
+            self.gathered, changed = take_views(
+                self.ext_params, self.shard_mesh(), self.device, self.mp_policy, self._offloaded()
+            )
+            if changed:
+                self.refresh_registrations()
+
+    def no_gather(self) -> bool:
+        """Whether the group's unsharded parameters are all views of sharded storage (the
+        flat buffer's or, per extension parameter, its own): nothing to gather or free."""
+        return not self.gathered and (self.aliased or not self.flat_params)
 
     @property
     def row_dsts(self) -> list[list[torch.Tensor]]:
@@ -311,6 +325,9 @@ class GroupLayout:
         """Lay the flat parameters out again in a new flat buffer of ``dtype`` on
         ``device``, moving their current local tensors into it (parameter objects keep
         their identity), and rebuild the unsharded buffers."""
+        parked, self.parked = self.parked, False
+        if parked:  # moved for its phase: laid out at rest, the wrappers' device too
+            device = self.device
         self._assign_offsets()
         new = self._new_sharded_flat(dtype, device)
         with torch.no_grad():
@@ -318,10 +335,26 @@ class GroupLayout:
                 view = p.local_view(new)
                 if not new.is_meta and p.local_numel:
                     view.copy_(p.sharded._local_tensor)
+                if parked:
+                    point_at(p.sharded, view)
                 p.sharded._local_tensor = view
                 p.spec = p.sharded._spec
         self.sharded_flat = new
         self._init_unsharded(torch.device("meta") if new.is_meta else self.device)
+
+    def move_state(self, parked: bool) -> None:
+        """Put the sharded parameters and gradients ``parked`` (from a forward with grad to
+        the group's backward) or at rest: [Note: offload by phase] in residence.py."""
+        r, old = self.residence, self.sharded_flat
+        if parked == self.parked or not r.moves or old.is_meta:
+            return
+        host = r.after_forward if parked else r.at_rest  # to a host rest: the host reads next
+        with label("offload to host" if host else "offload to device", self.path):
+            self.sharded_flat = move_sharded(
+                old, self.flat_params, host, self.device, r.pin, host and not parked
+            )
+        self.flat_version_offset += old._version - self.sharded_flat._version
+        self.parked = parked
 
     def only_ours(self, i: int) -> bool:
         """Whether nothing but this layout and (if any) its gradient accumulator holds flat
@@ -359,9 +392,9 @@ class GroupLayout:
     def pack_ext_inputs(self, flat: torch.Tensor) -> torch.Tensor:
         """One rank's uint8 all-gather input: the plain flat buffer's bytes, then every
         extension parameter's inputs, padded to a multiple of ``ALIGN`` bytes."""
-        pieces = [flat.view(torch.uint8)] if flat.numel() else []
+        pieces = [flat.view(torch.uint8)] if flat.numel() and not self.aliased else []
         mesh = self.shard_mesh()
-        for p in self.ext_params:
+        for p in self.gathered:
             assert p.ext is not None
             pieces.extend(p.ext.inputs(p, self.world, self.device, mesh, self.mp_policy, self.path))
         total = sum(t.numel() for t in pieces)
@@ -373,18 +406,19 @@ class GroupLayout:
     def copy_out_ext(self, output: torch.Tensor) -> None:
         """Scatter a rank-major uint8 all-gather output (``pack_ext_inputs``' layout) into
         the plain unsharded buffers and the extension outputs."""
-        plain = self.shard_numel * self.param_dtype.itemsize
+        plain = 0 if self.aliased else self.shard_numel * self.param_dtype.itemsize
         if plain:
             self.copy_out_plain(output[:, :plain].view(self.param_dtype))
         sizes: list[int] = []
         dsts: list[torch.Tensor] = []
-        for p in self.ext_params:
+        for p in self.gathered:
             assert p.ext is not None
             p.ext.alloc(self.path)
             sizes.extend(p.ext.byte_sizes())
             dsts.extend(s.view(torch.uint8) for s in p.ext.segments(self.world))
-        out = output[:, plain : plain + sum(sizes)]
-        torch.split_with_sizes_copy(out, sizes, dim=1, out=dsts)
+        if sizes:  # none when every extension parameter uses a view
+            out = output[:, plain : plain + sum(sizes)]
+            torch.split_with_sizes_copy(out, sizes, dim=1, out=dsts)
 
     def copy_out_plain(self, output: torch.Tensor) -> None:
         """Scatter the rank-major ``(world, shard_numel)`` all-gather output of the
@@ -401,7 +435,7 @@ class GroupLayout:
         if not self.ext_params:
             return self.copy_dsts
         segs = list(self.copy_dsts)
-        for p in self.ext_params:
+        for p in self.gathered:
             assert p.ext is not None
             segs.extend(p.ext.segments(self.world))
         return segs

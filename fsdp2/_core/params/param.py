@@ -31,6 +31,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp2._core.params.extension import Extension, extension_of
 from fsdp2._core.params.storage import contiguous_stride as _contiguous_stride
+from fsdp2._core.support.compat import GRAD_DTYPE
 from fsdp2._core.support.mesh import MeshInfo, SPMDMesh, mesh_cache
 
 
@@ -74,6 +75,7 @@ class FSDPParam:
         "ext",
         "stride",
         "placeholder",
+        "grad_policy",
     )
 
     def __init__(
@@ -86,6 +88,8 @@ class FSDPParam:
     ) -> None:
         self.fqn = fqn
         self.owners = owners
+        # before anything rewrites the parameter ([Note: gradient dtypes] in dtypes.py)
+        self.grad_policy = GradPolicy.of(param)
         # [Note: tensor parallel] A parameter that is already a DTensor (e.g.
         # from parallelize_module on a "tp" mesh) is sharded by FSDP through its
         # TP-local tensor: ``shape`` is the local shape that FSDP gathers, the
@@ -234,6 +238,10 @@ class FSDPParam:
     def grad_dtensor(self, local: torch.Tensor) -> DTensor:
         """A gradient for the sharded parameter, wrapping ``local`` (no checks, no copy)."""
         assert self.spec is not None, "grad_dtensor before the sharded parameter exists"
+        spec = self.spec
+        meta = spec.tensor_meta
+        if meta is not None and meta.dtype != local.dtype:  # a grad_dtype of its own
+            spec = _spec(spec.mesh, spec.placements, meta.shape, local.dtype)
         placeholder = self.placeholder  # from fully_shard: may be on meta since
         if placeholder is None or (placeholder.dtype, placeholder.device) != (
             local.dtype,
@@ -241,7 +249,61 @@ class FSDPParam:
         ):
             placeholder = torch.empty(0, dtype=local.dtype, device=local.device)
             self.placeholder = placeholder
-        return _wrap(local, self.spec, False, placeholder)
+        return _wrap(local, spec, False, placeholder)
+
+
+class GradPolicy:
+    """A parameter's ``Tensor.grad_dtype`` policy as ``fully_shard`` found it ([Note: gradient
+    dtypes] in dtypes.py): ``explicit`` (set by the user: ``dtype``, ``None`` for any dtype)
+    or the default (the gradient follows the parameter's dtype)."""
+
+    __slots__ = ("explicit", "dtype", "pinned")
+
+    def __init__(self, explicit: bool, dtype: torch.dtype | None) -> None:
+        self.explicit = explicit
+        self.dtype = dtype
+        # a default whose tensor fsdp2 had to give ``grad_dtype = dtype`` (torch has no way
+        # back to "default"): torch then reports an override fsdp2 made itself
+        self.pinned = False
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> GradPolicy:
+        if not GRAD_DTYPE or not t.dtype.is_floating_point or not explicit_override(t):
+            return cls(False, None)
+        return cls(True, t.grad_dtype)
+
+
+def explicit_override(t: torch.Tensor) -> bool:
+    """Whether ``t.grad_dtype`` was set explicitly (torch main's
+    ``Tensor._has_grad_dtype_override``). torch 2.13 and 2.14 have no such flag: a value
+    other than ``t.dtype`` is explicit; for an equal one ``t`` is given data of another dtype
+    for a moment (``.data =``, no copy): a default follows it, an explicit one stays."""
+    flag = getattr(t, "_has_grad_dtype_override", None)
+    if flag is not None:
+        return bool(flag)
+    if t.grad_dtype != t.dtype:
+        return True
+    other = torch.float64 if t.dtype != torch.float64 else torch.float32
+    data = t.data
+    try:
+        t.data = _stand_in(t, other)
+    except Exception:  # noqa: BLE001 - a subclass that takes no other data: the value alone
+        return False
+    try:
+        follows = t.grad_dtype == other
+    finally:
+        t.data = data
+    return not follows
+
+
+def _stand_in(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor of ``t``'s kind (plain or DTensor) in ``dtype``, for
+    ``explicit_override`` (a DTensor's is built without a dispatch)."""
+    if not isinstance(t, DTensor):
+        return torch.empty(0, dtype=dtype, device=t.device)
+    spec = _spec(t._spec.mesh, t._spec.placements, torch.Size((0,)), dtype)
+    local = torch.empty(0, dtype=dtype, device=t._local_tensor.device)
+    return DTensor(local, spec, requires_grad=False)
 
 
 def _spec(

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from fsdp2._core.comm.collectives import DividePlan, all_reduce, reduce_scatter
 from fsdp2._core.comm.exact import TreeSum, is_power_of_two
 from fsdp2._core.comm.transport import Pending, pack_for_reduce_scatter
+from fsdp2._core.params.dtypes import landing_dtypes, unsharded_grad_dtype
 from fsdp2._core.params.param import FSDPParam
 from fsdp2._core.replicas.piece_grad import land_pieces
 from fsdp2._core.replicas.pieces import piece_views
@@ -328,7 +329,8 @@ def _take_grads(group: ParamGroup, state: GradState) -> tuple[list[FSDPParam], l
             # an HSDP partial sum's parameter keeps its slice: zeros, like an unused one
             if (not group.reduce.reduce_unused or not p.requires_grad) and p not in held:
                 continue
-            g = torch.zeros(p.shape, dtype=group.param_dtype, device=group.device)
+            dtype = unsharded_grad_dtype(p, group.mp_policy) or reduce_dtype_of(group)
+            g = torch.zeros(p.shape, dtype=dtype, device=group.device)
         elif u is not None:
             u.grad = None
         params.append(p)
@@ -358,10 +360,10 @@ def take_grads(group: ParamGroup, state: GradState) -> Part | None:
 
 def reduce_dtype_of(group: ParamGroup) -> torch.dtype:
     """The dtype gradients are reduced in: fp32 for exact reduction (its sums are fp32's
-    from the first micro-batch to the last rank), else ``reduce_dtype`` or the compute dtype."""
+    from the first micro-batch to the last rank), else ``reduce_dtype`` or the gradients'."""
     if group.reduce.exact:
         return torch.float32
-    return group.reduce_dtype or group.param_dtype
+    return group.mp_policy.reduce_dtype or group.grads_dtype or group.param_dtype
 
 
 def _check_leaves(group: ParamGroup, leaves: int) -> None:
@@ -398,7 +400,7 @@ def bucket_key(group: ParamGroup) -> tuple[Any, ...] | None:
     if group.info.replicate_group is not None and not r.all_reduce:
         return None  # HSDP partial sums are kept per group
     pg = r.group or group.info.shard_group
-    dtype = group.reduce_dtype or group.param_dtype
+    dtype = group.mp_policy.reduce_dtype or group.grads_dtype or group.param_dtype
     # param_dtype too: the packing copy takes gradients of one dtype (bf16 and fp32 gradients
     # both reduced in fp32 go in separate buckets)
     return (
@@ -462,31 +464,32 @@ def _agree_on_scalars(part: Part, out: torch.Tensor) -> None:
 
 
 def land_grads(group: ParamGroup, params: list[FSDPParam], output: torch.Tensor) -> bool:
-    """Turn a rank's reduce-scatter output into the sharded params' ``.grad``
-    (views of ``output``), accumulating into existing gradients. Returns whether the
-    gradients were copied to pinned host memory asynchronously (CPU offload): the
-    caller synchronizes before anyone reads them."""
-    flat = group.sharded_flat
-    host_copy = False
-    if output.device != flat.device:  # CPU offload: device-to-host
+    """Turn a rank's reduce-scatter output into the sharded params' ``.grad`` (views of
+    ``output``, or of one cast of it to their gradient dtype; a cast per parameter when
+    their dtypes differ: [Note: gradient dtypes] in dtypes.py), accumulating into existing
+    gradients. Returns whether the gradients were copied to pinned host memory
+    asynchronously (CPU offload): the caller synchronizes before anyone reads them."""
+    flat, host_copy = group.sharded_flat, False
+    dtypes = landing_dtypes(params, output.dtype)
+    dtype = dtypes[0] if len(set(dtypes)) == 1 else None  # None: several
+    if dtype is not None and output.device != flat.device:  # CPU offload: device-to-host
         # Asynchronous only when nothing reads the copy here: accumulating into existing
         # gradients adds on the host at once, so it waits for the copy first.
         accumulate = any(p.sharded.grad is not None for p in params)
         host_copy = flat.is_pinned() and not accumulate
-        host = torch.empty(output.shape, dtype=group.orig_dtype, pin_memory=flat.is_pinned())
+        host = torch.empty(output.shape, dtype=dtype, pin_memory=flat.is_pinned())
         host.copy_(output, non_blocking=host_copy)
         output = host
-    elif output.dtype != group.orig_dtype:
-        output = output.to(group.orig_dtype)
-    offset = output.storage_offset()
+    elif dtype is not None and output.dtype != dtype:
+        output = output.to(dtype)
+    locals_ = [t for _, t in slices_by_param(output, params)]
+    if dtype is None:  # several gradient dtypes: a cast (and a move) per parameter
+        locals_ = [t.to(flat.device, d) for t, d in zip(locals_, dtypes, strict=True)]
     acc_dst, acc_src = [], []
-    for p in params:
-        local = output.as_strided(p.local_shape, p.local_stride, offset)
-        offset += p.padded_numel
-        sp = p.sharded
-        g = sp.grad
+    for p, local in zip(params, locals_, strict=True):
+        g = p.sharded.grad
         if g is None:
-            sp.grad = p.grad_dtensor(local)
+            p.sharded.grad = p.grad_dtensor(local)
         else:
             assert isinstance(g, DTensor)
             acc_dst.append(g._local_tensor)

@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp2._core.params.extension import extension_of
+from fsdp2._core.params.dtypes import check as check_grad_dtypes
+from fsdp2._core.params.extension import VIEW, extension_of
 from fsdp2._core.params.param import FSDPParam
 
 if TYPE_CHECKING:
@@ -66,7 +67,10 @@ def before_forward(group: ParamGroup) -> None:
     over a group ``unshard()`` left unsharded, and reshard one whose unsharded values are
     older than its sharded parameters, so that the forward gathers the new ones ([Note:
     stale unsharded] in group.py), and lay out a group converted in part since ([Note:
-    conversion across modules]). Issues no collective; may raise (``ValueError``)."""
+    conversion across modules]). Issues no collective; may raise (``ValueError``, and
+    ``RuntimeError`` for a ``grad_dtype`` changed since ``fully_shard``: [Note: gradient
+    dtypes] in dtypes.py)."""
+    check_grad_dtypes(group.params)
     if group.resync_pending:
         _check_converted(group)
     sync_requires_grad(group)
@@ -90,8 +94,8 @@ def sync_requires_grad(group: ParamGroup) -> None:
     the group's trainable list is rebuilt. A parameter frozen between no-sync micro-steps
     may hold an unreduced gradient, as the replica keeps its ``.grad``: it stays among the
     group's gradient parameters (``draining``) until the next synced reduction took it. A
-    frozen parameter of another dtype than its group's trainable ones cannot be unfrozen
-    (gradients are reduced in one dtype): ``ValueError``, before any collective.
+    frozen parameter of another dtype than its group's trainable ones may be unfrozen: its
+    gradient joins the group's reduction ([Note: gradient dtypes] in dtypes.py).
     """
     changed = False
     for p in group.params:
@@ -101,13 +105,6 @@ def sync_requires_grad(group: ParamGroup) -> None:
             if u is None or u.requires_grad is new:
                 continue
             new = u.requires_grad  # flipped on the unsharded parameter (registered now)
-        if new and p.sharded.dtype != group.orig_dtype:
-            raise ValueError(
-                f"parameter {p.fqn} ({p.sharded.dtype}) was made trainable after "
-                f"fully_shard({group.name}), whose trainable parameters are "
-                f"{group.orig_dtype}: their gradients are reduced together in one dtype. "
-                "Cast it to that dtype, or shard its module in a fully_shard call of its own"
-            )
         p.requires_grad = new
         if not new:
             group.draining.append(p)  # may hold gradients not reduced yet (no sync)
@@ -179,6 +176,7 @@ def resync_after_apply(group: ParamGroup) -> None:
     some of its modules were converted) raises ``ValueError`` naming its parameters, in
     ``before_forward``, before any collective.
     """
+    group.refresh_registrations()  # the dtypes' policies back ([Note: gradient dtypes])
     _resync_ext(group)
     if not group.flat_params:
         group.resync_pending = False
@@ -245,8 +243,14 @@ def _resync_ext(group: ParamGroup) -> None:
 
 
 def hooks_patched(group: ParamGroup) -> bool:
-    """Whether a flat parameter's local tensor was given all-gather hooks."""
-    return any(hasattr(p.sharded._local_tensor, "fsdp_pre_all_gather") for p in group.flat_params)
+    """Whether a flat parameter's local tensor was given all-gather hooks (or, with one shard
+    rank, the view hook: [Note: unsharded views] in views.py)."""
+    return any(_patched(group, p) for p in group.flat_params)
+
+
+def _patched(group: ParamGroup, p: FSDPParam) -> bool:
+    local = p.sharded._local_tensor
+    return hasattr(local, "fsdp_pre_all_gather") or (group.world == 1 and hasattr(local, VIEW))
 
 
 def adopt_patched_hooks(group: ParamGroup) -> None:
@@ -256,9 +260,7 @@ def adopt_patched_hooks(group: ParamGroup) -> None:
     own and the flat buffer is rebuilt without them. Runs at lazy init and, while the
     group is sharded, when a step's forward begins (``hooks_patched`` is the cheap
     test)."""
-    patched = [
-        p for p in group.flat_params if hasattr(p.sharded._local_tensor, "fsdp_pre_all_gather")
-    ]
+    patched = [p for p in group.flat_params if _patched(group, p)]
     if not patched:
         return
     for p in patched:
@@ -268,7 +270,7 @@ def adopt_patched_hooks(group: ParamGroup) -> None:
                 f"parameter {p.fqn} was given all-gather hooks, but fsdp2 applies them "
                 "only to parameters sharded on dim 0 (not 0-dim ones)"
             )
-        p.ext = extension_of(local, p.fqn)
+        p.ext = extension_of(local, p.fqn, patched=True)
         with torch.no_grad():
             local.data = local.detach().clone()  # the object keeps its hooks
         p.unsharded = None

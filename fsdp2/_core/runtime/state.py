@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch._compile import _disable_dynamo
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from fsdp2._core.params.dtypes import check as check_grad_dtypes
 from fsdp2._core.params.group import ParamGroup
 from fsdp2._core.runtime import relayout
 from fsdp2._core.runtime.slot import Slot, TrainingState
@@ -120,8 +121,9 @@ class FSDPState:
                     states.append(st)
         groups = [g for st in states for g in st.groups]
         validate_tree(groups)
-        for g in groups:  # parameters replaced since fully_shard (e.g. after to_empty)
-            relayout.adopt_registered(g)
+        for g in groups:  # grad_dtype changed, parameters replaced since fully_shard
+            check_grad_dtypes(g.params, thorough=True)  # see [Note: gradient dtypes]
+            relayout.adopt_registered(g)  # (e.g. after to_empty)
         check_materialized(groups, self.modules)
         ctx = StepContext([st.slot for st in states])
         ctx.manual = any(st.manual_finalization for st in states)

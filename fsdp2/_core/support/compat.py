@@ -12,6 +12,8 @@ what                           needs       before that
 ``dist.reduce_scatter_single`` 2.13        ``dist.reduce_scatter_tensor`` (same call)
 a DTensor subclass's own       2.13        DTensor's C++ dispatch skips it: ``PieceGrad``
 ``__torch_dispatch__`` runs                checks the torch functions on it instead
+``Tensor.grad_dtype``          2.13 (?)    gradients in their parameter's dtype only; a
+                                           ``grad_dtype`` policy raises at ``fully_shard``
 =============================  ==========  ==============================================
 
 The collective wrappers look the torch function up at call time, so a test that patches
@@ -33,6 +35,7 @@ import torch.distributed as dist
 __all__ = [
     "AG_API",
     "DTENSOR_SUBCLASS_DISPATCH",
+    "GRAD_DTYPE",
     "SWITCHES",
     "TORCH_RELEASE",
     "MAX_TESTED_TORCH",
@@ -79,6 +82,12 @@ def require_torch(version: tuple[int, int], what: str) -> None:
 # (``__torch_function__``; [Note: pieces as .grad] in fsdp2/_core/replicas/piece_grad.py).
 DTENSOR_SUBCLASS_DISPATCH = TORCH_VERSION >= (2, 13)
 
+# Whether tensors have ``grad_dtype`` (a gradient dtype of their own; 2.13 has it, 2.11 and
+# 2.12 are unchecked): without it a gradient lands in its parameter's dtype, and a
+# ``grad_dtype`` policy (``MixedPrecisionPolicy.grad_dtype``) is refused at ``fully_shard``
+# ([Note: gradient dtypes] in fsdp2/_core/params/dtypes.py).
+GRAD_DTYPE = hasattr(torch.Tensor, "grad_dtype")
+
 # The names of the single-tensor collectives this torch has (what observers are told).
 # (Every name in SWITCHES below differs between the supported releases: `make compat` runs a
 # test of each on 2.11 and 2.14, tests/compat_subset.py; tests/core/support/test_compat.py
@@ -107,7 +116,7 @@ def reduce_scatter_single(
 
 # What switches between the supported releases (the module docstring's table); each has a
 # test in `make compat`'s subset (tests/compat_subset.py).
-SWITCHES = ("AG_API", "RS_API", "DTENSOR_SUBCLASS_DISPATCH")
+SWITCHES = ("AG_API", "RS_API", "DTENSOR_SUBCLASS_DISPATCH", "GRAD_DTYPE")
 
 # the running release, for messages
 TORCH_RELEASE = torch.__version__

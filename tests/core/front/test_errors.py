@@ -276,14 +276,27 @@ def _case_ignored_params_tensors(mesh, ws: int) -> _Case:
     )
 
 
-def _case_mixed_dtypes(mesh, ws: int) -> _Case:
+def _case_scalars_of_two_dtypes(mesh, ws: int) -> _Case:
+    # parameters of several dtypes share a group, but 0-dim ones live in the flat buffer
     model = _TwoLinear()
-    model.lin2.double()
+    model.lin1.scale = nn.Parameter(torch.tensor(1.0, dtype=torch.float64))
+    model.lin2.scale = nn.Parameter(torch.tensor(2.0))
+    return (
+        lambda: fully_shard(model, mesh=mesh),
+        model,
+        NotImplementedError,
+        r"0-dim parameters.*one dtype.*lin1\.scale: torch\.float64, lin2\.scale: torch\.float32",
+    )
+
+
+def _case_grad_dtype_not_floating(mesh, ws: int) -> _Case:
+    model = _TwoLinear()
+    model.lin2.weight.grad_dtype = torch.int64
     return (
         lambda: fully_shard(model, mesh=mesh),
         model,
         ValueError,
-        r"one dtype.*lin1\.weight: torch\.float32.*lin2\.weight: torch\.float64",
+        r"parameter lin2\.weight has grad_dtype=torch\.int64, not a floating-point dtype",
     )
 
 
@@ -403,14 +416,15 @@ def test_error(case: str, world_size: int) -> None:
 
 
 def _fixed_after_failure(world_size: int) -> None:
-    """After the mixed-dtype error, casting the module and retrying works and trains."""
+    """After an error (a grad_dtype that is not floating-point), fixing it and retrying
+    works and trains."""
     mesh = init_device_mesh("cpu", (world_size,))
     torch.manual_seed(0)
     model = _TwoLinear()
-    model.lin2.double()
-    with pytest.raises(ValueError, match="one dtype"):
+    model.lin2.weight.grad_dtype = torch.int64
+    with pytest.raises(ValueError, match="not a floating-point dtype"):
         fully_shard(model, mesh=mesh)
-    model.float()
+    model.lin2.weight.grad_dtype = torch.float32
     fully_shard(model, mesh=mesh)
     assert type(model).__name__ == "FSDP_TwoLinear"
     assert all(isinstance(p, DTensor) for p in model.parameters())

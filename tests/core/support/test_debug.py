@@ -16,12 +16,16 @@ of a hang. 2 and 4 gloo ranks, the Llama of ``fsdp2.models`` sharded per block +
   gathers it on every rank, the backwards differ) and a model of another width on one rank
   (the root's first all-gather): every rank raises, naming the modules / element counts.
 * ``set_debug`` validates its timeout; ``FSDP2_DEBUG=1`` / ``FSDP2_DEBUG_TIMEOUT`` turn it on.
+
+The two micro-batch scenarios are docs/debugging.md's: the errors the page shows are these
+tests' messages, word for word (the page wraps the lines; the second ends in ``...``).
 """
 
 from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +39,19 @@ from fsdp2._core.support.debug import _from_env
 from fsdp2.models.llama import Llama, LlamaConfig
 
 TIMEOUT = 3.0  # seconds the debug check waits for other ranks
+PAGE = Path(__file__).resolve().parents[3] / "docs" / "debugging.md"
+
+
+def _as_the_page_shows(index: int, message: str) -> None:
+    """docs/debugging.md's ``index``-th debug-mode error is ``message`` (whitespace collapsed:
+    the page wraps its lines; a page ending in ``...`` shows the message's beginning)."""
+    pattern = r"^```\n(RuntimeError: fsdp2 debug: .*?)^```"
+    blocks = re.findall(pattern, PAGE.read_text(), re.M | re.S)
+    shown, got = " ".join(blocks[index].split()), " ".join(f"RuntimeError: {message}".split())
+    if shown.endswith(" ..."):
+        assert got.startswith(shown[: -len("...")]), f"docs/debugging.md shows\n{shown}\nnot\n{got}"
+    else:
+        assert got == shown, f"docs/debugging.md shows\n{shown}\nnot\n{got}"
 
 
 def _model(dim: int = 32, mesh=None, **kw) -> Llama:  # type: ignore[no-untyped-def]
@@ -191,6 +208,7 @@ def test_microbatch_counts_with_no_sync():
         assert "rank 0: all-gather of layers." in m and "in the backward of step 1" in m, m
         assert "rank 1: reduce-scatter of layers." in m, m
         assert "different numbers of micro-batches" in m, m
+        _as_the_page_shows(0, m)
     assert max(t0, t1) < TIMEOUT, "a mismatch is reported at once, not after the timeout"
 
 
@@ -200,6 +218,7 @@ def test_microbatch_counts_with_synced_gradients():
     assert "rank 0 is about to run collective" in m0 and "forward of step 2" in m0, m0
     assert f"rank(s) 1 did not reach it within {TIMEOUT:g} s" in m0, m0
     assert "rank 1: collective #" in m0 and "step 1" in m0, m0
+    _as_the_page_shows(1, m0)
     assert TIMEOUT <= t0 < TIMEOUT + 10, t0
 
 
