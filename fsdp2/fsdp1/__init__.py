@@ -89,6 +89,7 @@ from fsdp2.fsdp1._mixed_precision import (
     LowPrecisionGrads,
     cast_buffers,
     cast_outputs_to_input_dtype,
+    relax_grad_dtype,
 )
 from fsdp2.fsdp1._optim import init_optim_state, optim_state_dict, optim_state_dict_to_load
 from fsdp2.fsdp1._state_dict import (
@@ -361,6 +362,14 @@ def shard_model(
                 reduce_dtype=unit_mp.reduce_dtype,
                 cast_forward_inputs=cast,
             )
+        low_precision = (
+            unit_mp is not None
+            and unit_mp.keep_low_precision_grads
+            and unit_mp.param_dtype is not None
+            and not isinstance(module, full_precision_classes)
+        )
+        if low_precision:  # gradients of another dtype than the parameters: declared now,
+            relax_grad_dtype(module, ignored_params)  # as fully_shard captures the policy
         if unit_strategy is ShardingStrategy.NO_SHARD:
             replicate(
                 module,
@@ -381,12 +390,8 @@ def shard_model(
             )
         if isinstance(module, full_precision_classes):
             cast_outputs_to_input_dtype(module)
-        if (
-            unit_mp is not None
-            and unit_mp.keep_low_precision_grads
-            and unit_mp.param_dtype is not None
-            and not isinstance(module, full_precision_classes)
-        ):
+        if low_precision:
+            assert unit_mp is not None and unit_mp.param_dtype is not None
             low_precision_grads.append((module, unit_mp.param_dtype))
 
     if recursive is not None:

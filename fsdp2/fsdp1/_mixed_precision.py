@@ -15,6 +15,19 @@ from torch.utils._pytree import tree_flatten, tree_map
 from fsdp2._core.front.seam import managed_params, on_backward_end
 
 
+def relax_grad_dtype(unit: nn.Module, ignored: set[nn.Parameter]) -> None:
+    """Before ``fully_shard(unit)``: the floating-point parameters it will manage accept a
+    gradient of any dtype (``grad_dtype = None``), the policy fully_shard then captures and
+    keeps ([Note: gradient dtypes] in fsdp2/_core/params/dtypes.py): ``LowPrecisionGrads``
+    stores ``param_dtype`` gradients on them. Parameters already sharded (by a child unit)
+    and ignored ones are left alone."""
+    if not hasattr(torch.Tensor, "grad_dtype"):
+        return
+    for param in unit.parameters():
+        if not isinstance(param, DTensor) and param.is_floating_point() and param not in ignored:
+            param.grad_dtype = None
+
+
 class LowPrecisionGrads:
     """``MixedPrecision.keep_low_precision_grads``, as FSDP1: when a backward ends (in fsdp2's
     backward-end hooks, ``seam.on_backward_end``: after the gradients landed), the sharded
@@ -59,7 +72,8 @@ class LowPrecisionGrads:
             for param, dtype in self._params():
                 g = param.grad
                 if g is not None and g.dtype != dtype:
-                    param.grad_dtype = None  # let a full-precision parameter hold it
+                    if not hasattr(torch.Tensor, "grad_dtype"):  # older torch checks .grad
+                        param.grad_dtype = None  # let a full-precision parameter hold it
                     param.grad = g.to(dtype)
 
 
