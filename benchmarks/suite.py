@@ -79,17 +79,23 @@ def stages(path: str) -> str:
 
 
 def pools(path: str) -> str:
-    """The pool spawns a ``FSDP2_HARNESS_LOG`` file records (``spawn <world size> <s> <test>``)."""
+    """The pool spawns a ``FSDP2_HARNESS_LOG`` file records (``spawn <world size> <s> <test>``),
+    and the pools discarded for their threads (``drop <world size> <threads by name> <test>``)."""
     spawns: dict[int, list[tuple[float, str]]] = collections.defaultdict(list)
+    drops: list[str] = []
     for line in open(path):
         parts = line.split(maxsplit=3)
         if len(parts) == 4 and parts[0] == "spawn":
             spawns[int(parts[1])].append((float(parts[2]), parts[3].strip()))
+        elif len(parts) == 4 and parts[0] == "drop":
+            drops.append(f"  {parts[1]} ranks after {parts[3].strip()}: {parts[2]}")
     lines = ["", "worker pools spawned:", "ranks  spawns  seconds  first tests"]
     for ws in sorted(spawns):
         got = spawns[ws]
         tests = ", ".join(t for _, t in got[:3]) + (" ..." if len(got) > 3 else "")
         lines.append(f"{ws:5d}  {len(got):6d}  {sum(s for s, _ in got):7.1f}  {tests}")
+    if drops:
+        lines += ["pools discarded for their threads (rank 0's, by name):", *drops]
     return "\n".join(lines)
 
 

@@ -4,12 +4,17 @@
 group and returns the per-rank results in rank order. See [Note: worker pools].
 
 [Note: worker pools]
-Spawning processes and forming a process group costs seconds on a 2-core machine, so each
-world size keeps a pool of persistent workers ('spawn' context, daemonic, one thread for
-torch, default process group initialized once). A task is ``(fn, args)`` pickled once in
+Starting processes and forming a process group costs seconds on a 2-core machine, so each
+world size keeps a pool of persistent workers (daemonic, one thread for torch, default
+process group initialized once). Workers fork from a server process that imported torch
+once ('forkserver' context, ``_PRELOAD``): a pool starts in under 0.1 s, where spawned
+interpreters took 2 to 9 s each importing torch (about 20 pools a suite: 80 s); each worker
+takes the parent's current environment and ``sys.path``, as a spawned one would. Under
+``make coverage`` workers are spawned (coverage.py measures a spawned worker from its start).
+A task is ``(fn, args)`` pickled once in
 the parent, so ``fn`` must be a module-level function, pickled by reference; workers import
 test modules by the name pytest gave them (pytest puts each test file's folder, e.g.
-``tests/core/``, on ``sys.path``, which 'spawn' hands to the workers; ``tests/`` itself is
+``tests/core/``, on ``sys.path``, which the workers take; ``tests/`` itself is
 added in ``_worker_main``). Results travel back pickled, so return plain data or CPU
 tensors (detached; a DTensor does not pickle: return ``.full_tensor()`` or ``.to_local()``).
 
@@ -37,8 +42,10 @@ starts, and a mesh fsdp2 used holds groups in its cache, in a reference cycle); 
 stayed when they became garbage a moment later, and their groups' threads with them. So the
 freeze now waits for the start of the next task, after its groups are destroyed and a
 collection ran (``tests/test_harness.py`` checks the threads stay put). As a guard against
-any other holder, a pool whose worker holds more than ``_MAX_WORKER_THREADS`` threads after a
-task is still discarded (a new one starts for the next task, 2 to 5 s).
+any other holder (some tasks still leave a group's threads for a while), a pool whose worker
+holds more than ``_MAX_WORKER_THREADS`` threads after a task is discarded (a new one starts
+for the next task, in under 0.1 s: [Note: worker pools]); ``FSDP2_HARNESS_LOG`` records
+each such drop with the threads by name.
 
 Between tasks a worker destroys the process groups the previous task created (safe then:
 the parent sends a task only once every rank finished the last one), restores torch's
@@ -78,10 +85,21 @@ _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 _START_TIMEOUT_S = 120.0  # spawning and importing torch; 4 ranks on 2 cores take a few s
 _FAILURE_GRACE_S = 3.0  # after one rank fails, how long to wait for the others to report
 _STACK_DUMP_WAIT_S = 2.0
-_MAX_WORKER_THREADS = 128  # see [Note: worker threads]
+_MAX_WORKER_THREADS = 64  # see [Note: worker threads]
 
 _SIGNAL_DEATH = "worker died (exit code -"  # killed by a signal, e.g. SIGSEGV
 _Outcome = tuple[str, Any]  # ("ok", value) or ("error", traceback text)
+
+
+def _log(event: str, world_size: int, what: str) -> None:
+    """A line of ``FSDP2_HARNESS_LOG`` (benchmarks/suite.py --pools reads it): ``spawn <world
+    size> <seconds> <test>``, or ``drop <world size> <threads by name> <test>`` for a pool
+    discarded for its threads ([Note: worker threads])."""
+    log = os.environ.get("FSDP2_HARNESS_LOG")
+    if log:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+        with open(log, "a") as f:
+            f.write(f"{event} {world_size} {what} {test}\n")
 
 
 def run_on_ranks(
@@ -122,6 +140,7 @@ def run_on_ranks(
         errors = {rank: out[1] for rank, out in outcomes.items() if out[0] != "ok"}
         if not errors and not pending:
             if pool.threads() > _MAX_WORKER_THREADS:  # see [Note: worker threads]
+                _log("drop", world_size, pool.thread_names())
                 _discard_pool(world_size)
             return [outcomes[rank][1] for rank in range(world_size)]
         crashed = [rank for rank, tb in errors.items() if tb.startswith(_SIGNAL_DEATH)]
@@ -148,11 +167,26 @@ def run_on_ranks(
     raise AssertionError("\n\n".join(parts))
 
 
+def _context() -> Any:
+    """'forkserver' with torch preloaded ([Note: worker pools]); 'spawn' under coverage.py
+    (``make coverage``), which measures spawned workers from their start."""
+    if "coverage" in sys.modules:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+# What the fork server imports once, for every worker forked from it.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp"]
+_PRELOAD += ["torch.testing"]
+
+
 class _Pool:
     """``world_size`` persistent worker processes sharing one gloo process group."""
 
     def __init__(self, world_size: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.world_size = world_size
         self.stack_dir = tempfile.mkdtemp(prefix=f"fsdp2-harness-ws{world_size}-")
         port = _free_port()
@@ -162,7 +196,16 @@ class _Pool:
             parent_conn, child_conn = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, world_size, port, child_conn, self.stack_path(rank), os.getpid()),
+                args=(
+                    rank,
+                    world_size,
+                    port,
+                    child_conn,
+                    self.stack_path(rank),
+                    os.getpid(),
+                    dict(os.environ),
+                    list(sys.path),
+                ),
                 name=f"fsdp2-test-ws{world_size}-rank{rank}",
                 daemon=True,
             )
@@ -194,6 +237,18 @@ class _Pool:
             except OSError:
                 pass
         return most
+
+    def thread_names(self) -> str:
+        """Rank 0's threads by name, most first (``gloo_tcp_loop*12 ...``)."""
+        names: dict[str, int] = {}
+        try:
+            for tid in os.listdir(f"/proc/{self.procs[0].pid}/task"):
+                with open(f"/proc/{self.procs[0].pid}/task/{tid}/comm") as f:
+                    name = f.read().strip()
+                names[name] = names.get(name, 0) + 1
+        except OSError:
+            pass
+        return ",".join(f"{n}*{c}" for n, c in sorted(names.items(), key=lambda x: -x[1]))
 
     def collect(self, timeout: float) -> tuple[dict[int, _Outcome], list[int]]:
         """Wait for one reply per rank; stop early ``_FAILURE_GRACE_S`` after a failure.
@@ -275,11 +330,7 @@ def _get_pool(world_size: int) -> _Pool:
     if pool is None:
         start = time.monotonic()
         pool = _pools[world_size] = _Pool(world_size)
-        log = os.environ.get("FSDP2_HARNESS_LOG")  # benchmarks/suite.py --pools reads it
-        if log:
-            test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
-            with open(log, "a") as f:
-                f.write(f"spawn {world_size} {time.monotonic() - start:.2f} {test}\n")
+        _log("spawn", world_size, f"{time.monotonic() - start:.2f}")
     return pool
 
 
@@ -306,8 +357,20 @@ def _free_port() -> int:
 
 
 def _worker_main(
-    rank: int, world_size: int, port: int, conn: Connection, stack_path: str, parent_pid: int
+    rank: int,
+    world_size: int,
+    port: int,
+    conn: Connection,
+    stack_path: str,
+    parent_pid: int,
+    environ: dict[str, str],
+    path: list[str],
 ) -> None:
+    # The fork server started with the parent's environment and sys.path of that moment;
+    # a worker takes them as they are now, as a spawned one would.
+    os.environ.clear()
+    os.environ.update(environ)
+    sys.path[:] = path
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns our lifetime
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     stack_file = open(stack_path, "w")  # faulthandler writes here until exit
@@ -395,6 +458,10 @@ def _destroy_subgroups() -> None:
 
 
 def _exit_with_parent(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
+    """Exit once the test process is gone (a worker's parent is the fork server, not it)."""
+    while True:
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            os._exit(1)
         time.sleep(1.0)
-    os._exit(1)

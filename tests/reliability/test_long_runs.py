@@ -200,3 +200,29 @@ def test_rebuild_and_reshard() -> None:
         f"{REBUILDS} {r['last']}"
         assert r["last"]["fsdp_modules"] == 0, r
         assert r["rss_growth_mib"] < RSS_BOUND_MIB, f"rank {rank}: {r}"
+
+
+def _groups_by_name() -> None:
+    from fsdp2._core.support.mesh import mesh_cache, self_group
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = nn.Linear(4, 4)
+    fsdp2.replicate(model, mesh=mesh)  # its shard group: a group of this rank alone
+    model(torch.ones(2, 4)).sum().backward()
+    cache = mesh_cache(mesh)
+    assert isinstance(cache.self_group, str), cache.self_group
+    assert not [v for v in vars(cache).values() if isinstance(v, dist.ProcessGroup)]
+    group = self_group(mesh)
+    dist.destroy_process_group(group)
+    again = self_group(mesh)  # made anew, not the destroyed one
+    assert again is not group
+    t = torch.ones(1)
+    dist.all_reduce(t, group=again)  # a live group of one rank
+    assert t.item() == 1.0
+
+
+def test_mesh_caches_hold_no_process_group() -> None:
+    """[Note: mesh caches]: the groups fsdp2 makes for a mesh are cached by name, so a mesh
+    torch keeps for the process's life (its redistribute caches) does not keep a destroyed
+    group, and its threads, alive; a destroyed group is made again on next use."""
+    run_on_ranks(2, _groups_by_name)

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import _resolve_process_group
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
@@ -145,9 +146,11 @@ def self_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     """A process group of this rank alone (the shard group of a replicated group), made
     without a collective and cached on ``mesh``."""
     cache = mesh_cache(mesh)
-    if cache.self_group is None:
-        cache.self_group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-    return cache.self_group
+    group = _registered(cache.self_group)
+    if group is None:
+        group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        cache.self_group = group.group_name
+    return group
 
 
 # [Note: unnamed 2D meshes]
@@ -336,13 +339,25 @@ def separate_shard_group(info: MeshInfo) -> dist.ProcessGroup:
     that should not queue behind all-gathers). Collective over all ranks;
     cached on the mesh like ``post_forward_group``."""
     cache = mesh_cache(info.mesh)
-    if cache.separate_group is None:
+    mine = _registered(cache.separate_group)
+    if mine is None:
         for row in _shard_rows(info):
             group = dist.new_group(row)
             if dist.get_rank() in row:
-                cache.separate_group = group
-        assert cache.separate_group is not None
-    return cache.separate_group
+                mine = group
+        assert mine is not None
+        cache.separate_group = mine.group_name
+    return mine
+
+
+def _registered(name: str | None) -> dist.ProcessGroup | None:
+    """The process group named ``name`` while it is registered (not destroyed)."""
+    if name is None:
+        return None
+    try:
+        return _resolve_process_group(name)  # type: ignore[arg-type]
+    except (RuntimeError, ValueError):  # destroyed since
+        return None
 
 
 @dataclass
@@ -354,8 +369,9 @@ class MeshCache:
     specs: dict[tuple[Any, ...], DTensorSpec] = field(default_factory=dict)
     unflattened: dict[tuple[str, ...], DeviceMesh] = field(default_factory=dict)
     block_meshes: dict[int, DeviceMesh] = field(default_factory=dict)
-    separate_group: dist.ProcessGroup | None = None
-    self_group: dist.ProcessGroup | None = None
+    # Process groups by name, not the objects ([Note: mesh caches]).
+    separate_group: str | None = None
+    self_group: str | None = None
     flat: DeviceMesh | None = None  # the mesh flattened to one dim ([Note: pieces as .grad])
     placeholders: dict[tuple[torch.dtype, torch.device], torch.Tensor] = field(default_factory=dict)
 
@@ -379,7 +395,12 @@ class MeshCache:
 # mesh (nor its specs, placeholder tensors and process groups) would ever be freed: a
 # model rebuilt 50 times on fresh meshes kept 50 caches (tests/reliability/
 # test_long_runs.py). By mesh identity: an equal mesh object gets its own groups, as its
-# user would expect.
+# user would expect. The process groups fsdp2 makes for a mesh are cached by name, not as
+# objects, as torch's DeviceMesh keeps its own: torch (2.13) keeps every mesh a DTensor was
+# redistributed on (``_redistribute._planner_cache``, ``_gen_transform_infos``) for the
+# process's life, and a group object held there outlives ``destroy_process_group``: its
+# threads (gloo) or communicator stay, for every model built and dropped (the test harness's
+# workers gathered hundreds of threads). A destroyed group is made again on next use.
 _CACHE_ATTR = "_fsdp2_mesh_cache"
 
 
