@@ -841,3 +841,17 @@ def test_batchnorm_mixed_precision_parity(with_policy: bool) -> None:
     (parameters and running statistics) equal torch's FSDP1 (1e-5)."""
     out = run_on_ranks(2, _batchnorm_parity, with_policy)[0]
     assert all(isinstance(v, float) for v in out[:-1]), out
+
+
+def test_size_based_policy_called_alone() -> None:
+    """``policy(module)`` (no ``nonwrapped_numel``) counts the subtree's parameter elements
+    not in a unit below it, a shared parameter once, as ``size_based_policy`` documents."""
+    policy = size_based_policy(100)
+    assert policy(nn.Linear(10, 10))  # 110 elements
+    assert not policy(nn.Linear(5, 5))  # 30
+    shared = nn.Linear(10, 10)
+    assert not size_based_policy(200)(nn.Sequential(shared, shared))  # 110, counted once
+    assert size_based_policy(200)(nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10)))
+    assert not policy(nn.ModuleList([nn.Linear(10, 10)]))  # never a container
+    attention = nn.MultiheadAttention(16, 2)
+    assert policy(attention) and not policy(attention, recurse=True)  # never descended into

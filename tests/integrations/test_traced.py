@@ -265,6 +265,23 @@ def _state_dict_and_errors(ckpt_dir: str) -> dict[str, Any]:
     assert isinstance(traced, TracedModule)
     refused("no sync", lambda: traced.set_requires_gradient_sync(False))
     refused("prefetch", lambda: traced.set_modules_to_forward_prefetch([]))
+    setters = {  # every other setter the traced mode replaces or lacks, by its name
+        "unshard": lambda: traced.unshard(),
+        "reshard": lambda: traced.reshard(),
+        "set_modules_to_backward_prefetch": lambda: traced.set_modules_to_backward_prefetch([]),
+        "set_reshard_after_forward": lambda: traced.set_reshard_after_forward(False),
+        "set_reshard_after_backward": lambda: traced.set_reshard_after_backward(False),
+        "set_is_last_backward": lambda: traced.set_is_last_backward(True),
+        "set_requires_all_reduce": lambda: traced.set_requires_all_reduce(False),
+    }
+    for what, call in setters.items():
+        refused(what, call)
+    grad_dtype = fsdp2.MixedPrecisionPolicy(grad_dtype=torch.float32)
+    refused(
+        "grad_dtype", lambda: fully_shard_traced(nn.Linear(4, 4), mesh=mesh, mp_policy=grad_dtype)
+    )
+    refused("placement", lambda: fully_shard_traced(
+        nn.Linear(4, 4), mesh=mesh, shard_placement_fn=lambda p: Shard(0)))  # fmt: skip
     try:
         fully_shard_traced(eager.layers[0], mesh=mesh)
     except ValueError as e:
@@ -301,6 +318,11 @@ def test_traced_state_dict(tmp_path: Any) -> None:
     assert "'weight'" in errors["tp"] and "DTensor" in errors["tp"]
     assert "set_requires_gradient_sync" in errors["no sync"]
     assert "set_modules_to_forward_prefetch" in errors["prefetch"]
+    for setter in ("unshard", "reshard", "set_modules_to_backward_prefetch",
+                   "set_reshard_after_forward", "set_reshard_after_backward",
+                   "set_is_last_backward", "set_requires_all_reduce"):  # fmt: skip
+        assert setter in errors[setter], errors[setter]
+    assert "grad_dtype" in errors["grad_dtype"] and "shard_placement_fn" in errors["placement"]
     assert "fsdp2.fully_shard already" in errors["eager twice"]
     assert "'layers.0'" in errors["eager inside"], errors["eager inside"]
 

@@ -312,6 +312,37 @@ def test_build_function_shards_its_own_way() -> None:
     assert sum(est.parts.values()) == est.peak_bytes
 
 
+def test_kept_unsharded_storage_is_counted() -> None:
+    """``set_keep_unsharded_storage(True)`` (torch main's) in a ``build``: every group keeps
+    its unsharded storage, so the unsharded parameters at the peak are the whole model's
+    bytes, and the peak grows by what the default frees."""
+    cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, max_seq_len=32)
+
+    def build(keep: bool) -> Callable[[object], nn.Module]:
+        def b(mesh):  # type: ignore[no-untyped-def]
+            with torch.device("meta"):
+                model = Llama(cfg)
+            for block in model.layers:
+                fsdp2.fully_shard(block, mesh=mesh)
+            fsdp2.fully_shard(model, mesh=mesh)
+            model.set_keep_unsharded_storage(keep)
+            return model
+
+        return b
+
+    tokens = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    freed, kept = (
+        fsdp2.estimate_memory(build(k), (tokens, tokens), mesh_shape=2, device="cpu", compare=False)
+        for k in (False, True)
+    )
+    with torch.device("meta"):
+        whole = sum(p.numel() * p.element_size() for p in Llama(cfg).parameters())
+    assert kept.parts["parameters (unsharded)"] == whole, (kept.parts, whole)
+    assert freed.parts["parameters (unsharded)"] < whole
+    grown = kept.parts["parameters (unsharded)"] - freed.parts["parameters (unsharded)"]
+    assert kept.peak_bytes == freed.peak_bytes + grown
+
+
 def test_custom_step_and_shard_selection() -> None:
     from fsdp2.models.llama import TransformerBlock
 
