@@ -1,0 +1,110 @@
+"""The classes a ``fully_shard_traced`` module and its parameter owners get."""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+from fsdp2.traced._gather import _Plan, _unshard
+
+_PLAN = "_fsdp2_traced_plan"  # the instance attribute holding a module's _Plan
+
+
+def _gathers(plan: _Plan) -> bool:
+    """Whether a read of a managed parameter gathers it: inside its call root's forward,
+    or, uncompiled, inside a backward (an activation-checkpointed region's recompute runs
+    the region's forward again there, outside the root's forward)."""
+    if plan.active:
+        return True
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
+def _gathered(name: str) -> property:
+    def get(self: nn.Module) -> torch.Tensor:
+        plan: _Plan = getattr(self, _PLAN)
+        param = self._parameters[name]
+        assert param is not None
+        return _unshard(param, plan) if _gathers(plan) else param
+
+    return property(get)
+
+
+def _cast(dtype: torch.dtype | None, tree: Any) -> Any:
+    if dtype is None:
+        return tree
+    return tree_map(
+        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+        tree,
+    )
+
+
+class TracedModule(nn.Module):
+    """The class a ``fully_shard_traced`` module gets (mixed in before its own).
+
+    Its forward casts floating-point inputs to ``param_dtype`` and outputs to
+    ``output_dtype`` (``MixedPrecisionPolicy``), in the graph. Eager ``FSDPModule``'s
+    step controls have no traced counterpart yet: each raises ``NotImplementedError``
+    rather than being ignored.
+    """
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        plan: _Plan = getattr(self, _PLAN)
+        if plan.cast_inputs:
+            args, kwargs = _cast(plan.param_dtype, (args, kwargs))
+        plan.active += 1
+        try:
+            out = super().forward(*args, **kwargs)
+        finally:
+            plan.active -= 1
+        return _cast(plan.output_dtype, out)
+
+    def _refuse(self, what: str) -> NoReturn:
+        raise NotImplementedError(
+            f"{type(self).__name__}.{what}: a fully_shard_traced module has no eager step "
+            "state to control (its all-gathers and reduce-scatters run in the graph); use "
+            "fsdp2.fully_shard for this (docs/compile.md, 'Traced mode')"
+        )
+
+    def unshard(self, *args: Any, **kwargs: Any) -> NoReturn:
+        self._refuse("unshard")
+
+    def reshard(self, *args: Any, **kwargs: Any) -> NoReturn:
+        self._refuse("reshard")
+
+    def set_requires_gradient_sync(self, *args: Any, **kwargs: Any) -> NoReturn:
+        self._refuse("set_requires_gradient_sync (gradient accumulation without sync)")
+
+    def set_modules_to_forward_prefetch(self, *args: Any, **kwargs: Any) -> NoReturn:
+        self._refuse("set_modules_to_forward_prefetch (the compiler schedules the gathers)")
+
+    def set_modules_to_backward_prefetch(self, *args: Any, **kwargs: Any) -> NoReturn:
+        self._refuse("set_modules_to_backward_prefetch (the compiler schedules the gathers)")
+
+    def set_reshard_after_forward(self, *args: Any, **kwargs: Any) -> NoReturn:
+        self._refuse("set_reshard_after_forward (pass reshard_after_forward= at sharding)")
+
+    def set_reshard_after_backward(self, *args: Any, **kwargs: Any) -> NoReturn:
+        self._refuse("set_reshard_after_backward")
+
+    def set_is_last_backward(self, *args: Any, **kwargs: Any) -> NoReturn:
+        self._refuse("set_is_last_backward")
+
+    def set_requires_all_reduce(self, *args: Any, **kwargs: Any) -> NoReturn:
+        self._refuse("set_requires_all_reduce")
+
+
+# One class per (base class, managed parameter names, call root or not), as eager fsdp2 has
+# one FSDP class per base: the gather plan is per instance (``_PLAN``), not in the class.
+_CLASSES: dict[tuple[type, tuple[str, ...], bool], type] = {}
+
+
+def _traced_class(base: type, names: tuple[str, ...], root: bool) -> type:
+    key = (base, names, root)
+    if key not in _CLASSES:
+        props: dict[str, Any] = {n: _gathered(n) for n in names}
+        bases = (TracedModule, base) if root else (base,)
+        _CLASSES[key] = type(f"Traced{base.__name__}", bases, props)
+    return _CLASSES[key]
