@@ -8,6 +8,8 @@ muon``, ``--plot``, and the Hugging Face configs under examples/configs.
 * ``--plot`` writes a PNG and leaves stdout as it is.
 * ``--shard-over-replicas`` divides HSDP's gradients and optimizer state by the replicas,
   scaled as simulated whole.
+* ``--offload-budget`` offloads ``fsdp2.cpu_offload_by_budget``'s selection: the held bytes
+  on the host are rank 0's shards of it, to the byte.
 * The hand-written configs build the published models (parameter counts), and docs/cli.md's
   figures for ``accelerate estimate-memory`` are what accelerate's own functions give for them.
 """
@@ -173,6 +175,66 @@ def test_shard_over_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
     for bad in (["--mesh", "8"], ["--sweep", "4,8"], ["--mesh", "2x2", "--optimizer", "muon"]):
         code, _, err = fsdp2("estimate", "llama-tiny", *SMALL, *flag, *bad)
         assert code == 1 and "--shard-over-replicas" in err, err
+
+
+def test_offload_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--offload-budget SIZE``: ``fsdp2.cpu_offload_by_budget(model, SIZE)``'s selection
+    over the whole model, simulated whole (the selection does not grow with the blocks). What
+    rank 0 holds on the host between steps is its shards of the selected parameters, their
+    gradients and AdamW's state, to the byte; the text says so; 0 offloads nothing, a budget
+    over the total everything. Refused: a bad size, and with ``--offload``."""
+    import argparse
+
+    from fsdp2 import cpu_offload_by_budget
+    from fsdp2.cli import _estimate as _cli_estimate
+    from fsdp2.models import Llama, LlamaConfig
+    from fsdp2.planning.estimate import _fmt
+
+    tiny = {"vocab_size": 130, "dim": 38, "n_layers": 2, "n_heads": 1}
+    monkeypatch.setitem(_cli_estimate.OWN_MODELS, "llama-tiny", tiny)
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(**tiny, max_seq_len=32))
+    budget = sum(p.nbytes for p in model.parameters()) // 3
+    chosen = cpu_offload_by_budget(model, budget)
+    assert 0 < len(chosen) < len(list(model.parameters()))
+
+    def rank0(name: str) -> int:  # rank 0's shard of 2: the first ceil(rows / 2) rows
+        p = model.get_parameter(name)
+        return -(-p.shape[0] // 2) * p[0].numel() * 4
+
+    def run(*extra: str) -> str:
+        code, out, err = fsdp2("estimate", "llama-tiny", "--mesh", "2", *SMALL, *extra)
+        assert code == 0, err[-3000:]
+        return out
+
+    got = json.loads(run("--offload-budget", str(budget), "--json"))
+    shards = sum(rank0(n) for n in chosen)
+    assert got["held_on_host"] == {
+        "parameters": shards,
+        "gradients": shards,
+        "optimizer state": 2 * shards + 4 * len(chosen),  # AdamW: 2 moments, a step each
+    }
+    assert f"CPU offload of {len(chosen)} parameters" in got["settings"], got["settings"]
+    assert f"offload budget {_fmt(budget)}:" in got["settings"]
+    # 0: nothing on the host; the whole model's bytes or more: all it holds, the text says
+    out = run("--offload-budget", "0")
+    assert "offload budget 0 B: 0 B of parameters" in out and "on the host" not in out, out
+    held = got["held"]
+    parts = ", ".join(f"{k} {_fmt(v)}" for k, v in held.items())
+    line = f"on the host between steps: {_fmt(sum(held.values()))} ({parts})"
+    assert run("--offload-budget", "1GiB").splitlines()[-1] == line
+    # a model of 6 blocks (scaled without it) is simulated whole
+    simulated: list[int | None] = []
+    monkeypatch.setattr(
+        _cli_estimate, "_simulate", lambda a, c, m, blocks: simulated.append(blocks)
+    )
+    deeper = _cli_estimate._OwnConfig("llama-6", {**tiny, "n_layers": 6})
+    _cli_estimate._estimate(argparse.Namespace(exact=False, offload_budget=10), deeper, (2,))
+    assert simulated == [None]
+    code, _, err = fsdp2("estimate", "llama-tiny", *SMALL, "--offload-budget", "-1")
+    assert code == 2 and "--offload-budget must be" in err, err
+    code, _, err = fsdp2("estimate", "llama-tiny", *SMALL, "--offload", "--offload-budget", "1")
+    assert code == 2 and "not allowed with argument --offload" in err, err
 
 
 def test_built_models_keyed_by_config_contents() -> None:

@@ -23,6 +23,7 @@ arguments.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 
@@ -45,6 +46,21 @@ def _mesh(text: str) -> tuple[int, ...]:
             f"sharding), got {text!r}"
         )
     return shape
+
+
+def _budget(text: str) -> int:
+    """``--offload-budget``: bytes, or a size like ``20GiB``; 0 offloads nothing."""
+    from fsdp2.checkpoint._save import parse_size
+
+    if re.fullmatch(r"\s*0+(\.0*)?\s*[A-Za-z]*\s*", text):
+        return 0
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--offload-budget must be a number of bytes or a size like 20GiB (0 offloads "
+            f"nothing), got {text!r}"
+        ) from None
 
 
 def _sizes(text: str) -> list[tuple[int, ...]]:
@@ -117,7 +133,16 @@ def _parser() -> argparse.ArgumentParser:
         help="the dim a mixture of experts' stacked 3-D parameters shard on: auto (default) "
         "dim 1 when the experts are fewer than the shard ranks, as torchtitan does, else 0",
     )
-    est.add_argument("--offload", action="store_true", help="CPUOffloadPolicy()")
+    offload = est.add_mutually_exclusive_group()
+    offload.add_argument("--offload", action="store_true", help="CPUOffloadPolicy()")
+    offload.add_argument(
+        "--offload-budget",
+        type=_budget,
+        metavar="SIZE",
+        help="e.g. 20GiB: fsdp2.cpu_offload_by_budget(model, SIZE), the largest parameters "
+        "up to SIZE of full parameter bytes on the host, the others on the device (the "
+        "whole model is simulated, as with --exact)",
+    )
     est.add_argument(
         "--shard-over-replicas",
         action="store_true",

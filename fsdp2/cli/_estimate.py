@@ -206,7 +206,10 @@ def _estimate(args: argparse.Namespace, config: Any, mesh_shape: tuple[int, ...]
     """The estimate for ``mesh_shape``: simulated on the whole model with ``--exact`` (or
     when its blocks differ), else scaled from two small ones ([Note: scaled estimates])."""
     n = _layers(config)
-    if args.exact or n is None or n <= SCALE_FROM[1]:
+    # --offload-budget: what it offloads does not grow with the blocks (one budget for the
+    # whole model, largest parameters first), so the whole model is simulated
+    whole = args.exact or args.offload_budget is not None
+    if whole or n is None or n <= SCALE_FROM[1]:
         return _simulate(args, config, mesh_shape, blocks=None)
     small = [_simulate(args, config, mesh_shape, blocks=k) for k in SCALE_FROM]
     return scale(small[0], small[1], SCALE_FROM, n)
@@ -327,6 +330,14 @@ def _simulate(
         optimizer = states_in(args.optimizer, state_dtype, args.shard_over_replicas)
     else:
         optimizer = args.optimizer
+    offload: Any = fsdp2.CPUOffloadPolicy() if args.offload else None
+    chosen = ""
+    if args.offload_budget is not None:  # cpu_offload_by_budget's selection, model-wide
+        offload = fsdp2.cpu_offload_by_budget(model, args.offload_budget)
+        from fsdp2.planning.estimate import _fmt
+
+        size = sum(model.get_parameter(n).nbytes for n in offload)
+        chosen = f", offload budget {_fmt(args.offload_budget)}: {_fmt(size)} of parameters"
     try:
         with _quiet_extras(), _grouped_mm_as_output():
             est = fsdp2.estimate_memory(
@@ -336,7 +347,7 @@ def _simulate(
                 device=args.device,
                 reshard_after_forward=args.reshard_after_forward,
                 mp_policy=mp,
-                offload_policy=fsdp2.CPUOffloadPolicy() if args.offload else None,
+                offload_policy=offload,
                 # --experts-dim: see [Note: expert placement] in fsdp2/planning/_experts.py
                 shard_placement_fn={"auto": "auto", "0": None, "1": _experts.on_dim1}[
                     args.experts_dim
@@ -352,7 +363,7 @@ def _simulate(
     compute = "bf16" if args.mp == "bf16" or args.param_dtype == "bf16" else "fp32"
     states = args.optim_dtype or args.param_dtype
     what = f"{args.param_dtype} parameters, {compute} compute, {args.optimizer} state in {states}"
-    return replace(est, settings=f"{est.settings}, {what}")
+    return replace(est, settings=f"{est.settings}, {what}{chosen}")
 
 
 @contextlib.contextmanager
@@ -384,6 +395,15 @@ def _experts_warnings(experts_dim: str, shape: tuple[int, ...], said: set[str]) 
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f}"
+
+
+def _on_host(est: Any) -> str | None:
+    """The line saying what rests on the host between steps (CPU offload), or ``None``."""
+    from fsdp2.planning.estimate import _fmt
+
+    held = {k: v for k, v in est.held_on_host.items() if v}
+    parts = ", ".join(f"{k} {_fmt(v)}" for k, v in held.items())
+    return f"on the host between steps: {_fmt(sum(held.values()))} ({parts})" if held else None
 
 
 def _as_dict(est: Any, budget: int | None) -> dict[str, Any]:
@@ -466,6 +486,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         return 0
     est = results[0]
     print(est)
+    host = _on_host(est)
+    if host is not None:
+        print(host)
     if budget is not None:
         verdict = "fits" if est.peak_bytes <= budget else "does NOT fit"
         print(f"{verdict} in {_gib(budget)} GiB of device memory")

@@ -37,6 +37,12 @@ __all__ = ["current_modes", "is_using_fsdp2", "restore_torch_fsdp", "use_fsdp2",
 #   object. The bridge
 #   ``FSDPModule`` subclasses fsdp2's, so its methods (``unshard``, ``reshard``,
 #   ``set_requires_gradient_sync``) are fsdp2's; torch's modules have the same names.
+# * torch main's ``cpu_offload_by_budget`` (a function calling fsdp2's) and
+#   ``GradientReductionHandle`` (a bridge class) in ``torch.distributed.fsdp``: names torch
+#   2.11-2.14 lack (``_MAIN_NAMES``). Where torch lacks one, the switch adds it there and
+#   ``restore_torch_fsdp`` removes it again, so code written for torch main (or checking
+#   for the name) finds fsdp2's, as it finds torch main's fields on the switched policies;
+#   where torch has one, it is switched as the names above.
 # fsdp2's ``fully_shard`` also reads torch's policy objects by field, so a plugin built before
 # the switch works. ``restore_torch_fsdp`` puts torch's objects back wherever a bridge is
 # (only bridges: a module that imported fsdp2's names from fsdp2 keeps them). Torch's own
@@ -52,6 +58,9 @@ _NAMES = (
     "replicate",
     "ReplicateModule",
 )
+# torch main's names fsdp2 has that torch 2.11-2.14 lack: put in torch's public module whether
+# torch has them or not (see above)
+_MAIN_NAMES = ("cpu_offload_by_budget", "GradientReductionHandle")
 # torch's public FSDP2 modules, spelled in parts (fsdp2 names no torch FSDP module literally).
 _TORCH = ".".join(("torch", "distributed"))
 _TORCH_MODULES = (
@@ -84,12 +93,13 @@ class _Either(type):
         return super().__call__(*args, **kwargs)
 
 
-def _bridge_class(ours: type, theirs: type) -> type:
+def _bridge_class(ours: type, theirs: type | None) -> type:
     doc = (
         f"fsdp2's ``{ours.__name__}`` standing in for torch's (fsdp2.integrations.use_fsdp2): "
         f"``isinstance`` accepts either engine's; calling it builds fsdp2's.\n\n{ours.__doc__}"
     )
-    attrs = {"engines": (ours, theirs), "__module__": __name__, "__doc__": doc}
+    engines = (ours,) if theirs is None else (ours, theirs)  # (a torch without the class)
+    attrs = {"engines": engines, "__module__": __name__, "__doc__": doc}
     return _Either(ours.__name__, (ours,), attrs)
 
 
@@ -154,6 +164,17 @@ def _bridges(torch_objects: dict[str, Any]) -> dict[str, Any]:
         "ReplicateModule",
     ):
         out[name] = _bridge_class(getattr(fsdp2, name), torch_objects[name])
+
+    # torch main's names (_MAIN_NAMES): objects of their own, so that restoring leaves a
+    # module that imported fsdp2's from fsdp2 alone
+    @functools.wraps(fsdp2.cpu_offload_by_budget)
+    def cpu_offload_by_budget(module: nn.Module, budget_bytes: int, **kwargs: Any) -> Any:
+        return fsdp2.cpu_offload_by_budget(module, budget_bytes, **kwargs)
+
+    out["cpu_offload_by_budget"] = cpu_offload_by_budget
+    out["GradientReductionHandle"] = _bridge_class(
+        fsdp2.GradientReductionHandle, torch_objects.get("GradientReductionHandle")
+    )
     return out
 
 
@@ -191,7 +212,9 @@ class _Switch:
                     "this torch is not one fsdp2 supports"
                 )
             self.torch_objects = {n: getattr(home[n], n) for n in _NAMES}
-            if any(self.torch_objects[n] is fsdp2_obj for n, fsdp2_obj in self._ours()):
+            # torch main's names where this torch has them (else added while on)
+            self.torch_objects |= {n: getattr(public, n) for n in _MAIN_NAMES if hasattr(public, n)}
+            if any(self.torch_objects.get(n) is fsdp2_obj for n, fsdp2_obj in self._ours()):
                 raise RuntimeError(
                     "fsdp2.integrations.use_fsdp2: torch's FSDP2 names already point at fsdp2's "
                     "objects (patched by hand?); undo that patch and call use_fsdp2() instead"
@@ -201,6 +224,8 @@ class _Switch:
             for name in _names_in(mod.__name__):
                 if name in vars(mod):
                     setattr(mod, name, self.bridges[name])
+        for name in _MAIN_NAMES:  # torch main's names, added where this torch lacks them
+            setattr(mods[0], name, self.bridges[name])
         self._replace(self.torch_objects, self.bridges)
         if not pipelining.is_enabled():  # torch's pipeline schedules run fsdp2's stages
             pipelining.enable()
@@ -210,8 +235,12 @@ class _Switch:
     def turn_off(self) -> None:
         for mod in self.torch_modules():
             for name in _names_in(mod.__name__):
-                if vars(mod).get(name) is self.bridges.get(name):
+                if vars(mod).get(name) is not self.bridges.get(name):
+                    continue
+                if name in self.torch_objects:
                     setattr(mod, name, self.torch_objects[name])
+                else:  # a torch main name this torch lacks: added by turn_on
+                    delattr(mod, name)
         # torch's own modules too: one imported while the switch was on (torch's pipelining,
         # imported by a framework) copied a bridge from torch's public module
         self._replace(self.bridges, self.torch_objects, include_torch=True)
@@ -221,7 +250,7 @@ class _Switch:
         self.active = False
 
     def _ours(self) -> Iterator[tuple[str, Any]]:
-        for name in _NAMES:
+        for name in (*_NAMES, *_MAIN_NAMES):
             yield name, getattr(fsdp2, name)
 
     @staticmethod
@@ -237,7 +266,8 @@ class _Switch:
             if not isinstance(d, dict):
                 continue
             for name in _names_in(mod_name):
-                if name in old and d.get(name) is old[name]:
+                # (a torch main name this torch lacks has nothing to replace or put back)
+                if name in old and name in new and d.get(name) is old[name]:
                     d[name] = new[name]
 
 
@@ -247,8 +277,8 @@ def _names_in(mod_name: str) -> tuple[str, ...]:
     if mod_name == _REPLICATE_MODULE:
         return _REPLICATE_NAMES
     if mod_name in _TORCH_MODULES:
-        return tuple(n for n in _NAMES if n not in _REPLICATE_NAMES)
-    return _NAMES
+        return tuple(n for n in (*_NAMES, *_MAIN_NAMES) if n not in _REPLICATE_NAMES)
+    return (*_NAMES, *_MAIN_NAMES)
 
 
 _SWITCH = _Switch()
@@ -275,8 +305,10 @@ def use_fsdp2(
     ``CPUOffloadPolicy`` in torch's FSDP modules, ``replicate`` and ``ReplicateModule`` in
     ``torch.distributed._composable.replicate_with_fsdp``, and the same names in
     already-imported modules that copied them (accelerate's, transformers', Lightning's, a
-    training script's), at fsdp2; and make ``torch.distributed.pipelining``'s schedules run
-    fsdp2's stages (:func:`fsdp2.integrations.pipelining.enable`).
+    training script's), at fsdp2; put torch main's ``cpu_offload_by_budget`` and
+    ``GradientReductionHandle`` in ``torch.distributed.fsdp`` (added while the switch is on
+    where torch lacks them, as 2.11-2.14 do); and make ``torch.distributed.pipelining``'s
+    schedules run fsdp2's stages (:func:`fsdp2.integrations.pipelining.enable`).
 
     Call it once, early: before a framework shards a model (before ``Accelerator.prepare``,
     ``Trainer.train``, ``from_pretrained(..., distributed_config=...)``, ``Fabric.setup``).

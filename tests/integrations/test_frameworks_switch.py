@@ -7,7 +7,10 @@ copied torch's objects under the same name (not under another name, not fsdp2's 
 idempotent, catches modules imported between two calls, is undone everywhere (also in modules
 imported while it was on, never in a module that imported fsdp2's names from fsdp2), nests as
 a context manager, survives concurrent calls from threads, and ``isinstance`` through the
-bridge classes accepts both engines' policies while calling them builds fsdp2's.
+bridge classes accepts both engines' policies while calling them builds fsdp2's. torch main's
+``cpu_offload_by_budget`` and ``GradientReductionHandle`` are added to torch's public module
+while on (torch 2.11-2.14 lack them) and removed by the restore; switched and restored like
+the rest where torch has them.
 
 On 2 ranks (one spawned run): fsdp2's ``fully_shard`` with torch's ``MixedPrecisionPolicy``
 (bf16) and ``OffloadPolicy`` trains bitwise equal to fsdp2's own policies; under the switch,
@@ -135,6 +138,66 @@ def test_switch_patches_and_restores() -> None:
     assert script.fully_shard is fsdp2.fully_shard
     assert torch_composable_fsdp.fully_shard is torch_fully_shard
     restore_torch_fsdp()  # a no-op when off
+
+
+MAIN_NAMES = ("cpu_offload_by_budget", "GradientReductionHandle")
+
+
+def test_torch_main_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch main's ``cpu_offload_by_budget`` and ``GradientReductionHandle``: in
+    ``torch.distributed.fsdp`` while the switch is on, added where torch lacks them (2.11-2.14)
+    and removed by ``restore_torch_fsdp``; where torch has them, switched and restored like
+    the other names (a torch main stood in for by names patched into torch's module)."""
+    from fsdp2.integrations._switch import _Switch
+
+    lacks = [n for n in MAIN_NAMES if not hasattr(torch_fsdp, n)]
+    script = _module("_fw_main_script", cpu_offload_by_budget=fsdp2.cpu_offload_by_budget)
+    try:
+        with using_fsdp2():
+            from torch.distributed.fsdp import (  # code written for torch main
+                GradientReductionHandle,
+                cpu_offload_by_budget,
+            )
+
+            lin = nn.Linear(4, 4)  # weight 64 bytes, bias 16
+            assert cpu_offload_by_budget(lin, 70) == {"weight": fsdp2.CPUOffloadPolicy()}
+            got = cpu_offload_by_budget(lin, 80, pin_memory=False)
+            assert got == dict.fromkeys(["weight", "bias"], fsdp2.CPUOffloadPolicy(False))
+            assert cpu_offload_by_budget is not fsdp2.cpu_offload_by_budget
+            assert isinstance(fsdp2.GradientReductionHandle(), GradientReductionHandle)
+            with pytest.raises(ValueError, match="non-negative"):
+                cpu_offload_by_budget(lin, -1)
+        for name in lacks:
+            assert not hasattr(torch_fsdp, name), name
+        assert script.cpu_offload_by_budget is fsdp2.cpu_offload_by_budget  # fsdp2's own kept
+    finally:
+        sys.modules.pop("_fw_main_script", None)
+
+    # a torch that has them (torch main): switched where copied, torch's put back
+    def torch_budget(module: nn.Module, budget_bytes: int, *, pin_memory: bool = True) -> dict:
+        return {}
+
+    class TorchHandle:
+        pass
+
+    monkeypatch.setattr(torch_fsdp, "cpu_offload_by_budget", torch_budget, raising=False)
+    monkeypatch.setattr(torch_fsdp, "GradientReductionHandle", TorchHandle, raising=False)
+    framework = _module("_fw_main_copy", cpu_offload_by_budget=torch_budget)
+    switch = _Switch()  # (the process's switch captured this torch's objects already)
+    try:
+        switch.turn_on()
+        bridge = switch.bridges["cpu_offload_by_budget"]
+        assert torch_fsdp.cpu_offload_by_budget is bridge is framework.cpu_offload_by_budget
+        assert bridge(nn.Linear(4, 4), 64) == {"weight": fsdp2.CPUOffloadPolicy()}
+        handle = torch_fsdp.GradientReductionHandle
+        assert isinstance(TorchHandle(), handle)
+        assert isinstance(fsdp2.GradientReductionHandle(), handle)
+    finally:
+        switch.turn_off()
+        sys.modules.pop("_fw_main_copy", None)
+    assert torch_fsdp.cpu_offload_by_budget is torch_budget
+    assert torch_fsdp.GradientReductionHandle is TorchHandle
+    assert framework.cpu_offload_by_budget is torch_budget
 
 
 def test_context_manager_nests_and_threads() -> None:

@@ -33,10 +33,16 @@ import torch.nn as nn
 
 from fsdp2.api import CPUOffloadPolicy, OffloadPolicy, as_offload_policy
 
-__all__ = ["by_offload", "offload_policies"]
+__all__ = ["by_offload", "mapping_key", "offload_policies"]
 
 _Found = list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]
 _INDEX = re.compile(r"^\[\d+\]\.?")  # the "[i]." that prefixes a list's parameter names
+
+
+def mapping_key(fqn: str, listed: bool) -> str:
+    """The name a mapping keys parameter ``fqn`` by (``fqn`` as ``fully_shard`` found it;
+    ``listed``: the call took a list of modules, whose names drop the list's ``[i].``)."""
+    return _INDEX.sub("", fqn) if listed else fqn
 
 
 def offload_policies(
@@ -58,7 +64,7 @@ def offload_policies(
         return as_offload_policy(policy), {}
     by_name: dict[str, list[nn.Parameter]] = {}
     for fqn, p, _ in found:
-        rel = _INDEX.sub("", fqn) if len(modules) > 1 else fqn
+        rel = mapping_key(fqn, len(modules) > 1)
         by_name.setdefault(rel, []).append(p)
     out: dict[int, OffloadPolicy] = {}
     for key, value in policy.items():

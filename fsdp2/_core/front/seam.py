@@ -28,8 +28,9 @@ or hook: the one place they touch the core's objects, so that the core can chang
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,7 @@ from torch.distributed.tensor import DTensor
 from fsdp2._core.comm.collectives import Into, all_gather
 from fsdp2._core.comm.gloo import Received
 from fsdp2._core.comm.transport import copy_out
+from fsdp2._core.front.offload import mapping_key
 from fsdp2._core.params.storage import free_storage
 from fsdp2._core.runtime.reduce import bank_grads
 from fsdp2._core.runtime.slot import Slot
@@ -212,7 +214,11 @@ class UnitSettings:
     """The effective ``reshard_after_forward`` (``set_reshard_after_forward`` and the
     root's default of ``False`` after its first forward included)."""
     mp_policy: MixedPrecisionPolicy
-    offload_policy: OffloadPolicy
+    offload_policy: OffloadPolicy | Mapping[str, OffloadPolicy]
+    """The call's one policy when all its parameters run with it; else (a mapping given to
+    ``fully_shard`` that split them) a read-only mapping of every parameter it manages,
+    named as the call's mapping keys them, to its policy (``OffloadPolicy()``: on the
+    device); given back to ``fully_shard``, it groups them the same way."""
     forward_prefetch: tuple[nn.Module, ...] | None
     """The explicit ``set_modules_to_forward_prefetch`` list; ``None``: none was set."""
     backward_prefetch: tuple[nn.Module, ...] | None
@@ -238,11 +244,20 @@ def unit_settings(root: nn.Module) -> dict[nn.Module, UnitSettings]:
         st = state_of(m)
         if st is None or not st.groups:
             continue
-        g = st.groups[0]  # the groups of one call share their settings
+        g = st.groups[0]  # the groups of one call share their settings, but offload
+        listed = len(st.modules) > 1
+        by_name = {
+            mapping_key(p.fqn, listed): group.offload_policy
+            for group in st.groups
+            for p in group.params
+        }
+        offload: OffloadPolicy | Mapping[str, OffloadPolicy] = g.offload_policy
+        if len(set(by_name.values())) > 1:  # split by a mapping ([Note: offload by name])
+            offload = MappingProxyType(by_name)
         out[m] = UnitSettings(
             reshard_after_forward=g.gather.post_forward,
             mp_policy=st.mp_policy,
-            offload_policy=g.offload_policy,
+            offload_policy=offload,
             forward_prefetch=None if st.fwd_prefetch is None else named(st.fwd_prefetch),
             backward_prefetch=None if st.bwd_prefetch is None else named(st.bwd_prefetch),
             implicit_forward_prefetch=named(st.slot.fwd_next),

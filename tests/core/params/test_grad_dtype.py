@@ -24,6 +24,18 @@ not in torch 2.13 or 2.14). See [Note: gradient dtypes] in fsdp2/_core/params/dt
   ``grad_dtype`` changed after ``fully_shard`` raises at the next forward, conversion or load;
   the captured policy survives ``.to()`` and ``load_state_dict(assign=True)`` of a parameter
   carrying its own.
+* torch main's ``test_fully_shard_grad_dtype.py`` (``TestFullyShardGradientDtype``, PR
+  197368; CUDA-only upstream), with fsdp2's imports: every case on 2 CPU ranks (gloo; HSDP as
+  a 2x1 mesh), the projection's fp32 weight gradient computed as the test's reference does;
+  ``gpu``-marked (``make gpu-check``), on one GPU with its CUDA-only kernel
+  (``torch.mm(out_dtype=torch.float32)``), eager and under ``torch.compile``, and the
+  conversions between the GPU and the host. bf16 compute with an fp32 ``grad_dtype`` and no
+  ``reduce_dtype``: the unsharded parameter receives the fp32 gradient bit for bit, the
+  sharded one is fp32 and bit-equal to the sum (sync, no sync, activation checkpointing;
+  ``reshard_after_forward`` True / False; bf16 / fp32 storage); an explicit ``reduce_dtype``
+  and an unused parameter; conversions with gradients, where fsdp2 keeps 197203's rules
+  (a gradient left in another dtype than its policy, or beside a parameter of another dtype,
+  asks for ``zero_grad(set_to_none=True)``) and PR 197368's test carries it along.
 * ``estimate_memory`` counts gradient bytes in the gradients' dtype.
 """
 
@@ -31,17 +43,21 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from _harness import run_on_ranks
+from devices import REPEATS, require_cuda
 from helpers import mine, world_mesh
 from models import full_grads, full_params
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 import fsdp2
 from fsdp2 import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -562,6 +578,327 @@ def _policy_kept(grad_dtype: Any) -> None:
 @pytest.mark.parametrize("grad_dtype", ["default", FP32, None], ids=["default", "fp32", "none"])
 def test_grad_dtype_policy_kept_across_conversion_and_replacement(grad_dtype: Any) -> None:
     run_on_ranks(1, _policy_kept, grad_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch main's test_fully_shard_grad_dtype.py (TestFullyShardGradientDtype, PR 197368), ported:
+# CUDA-only upstream (2+ GPUs). Every case runs on 2 CPU ranks here (gloo; HSDP as a 2x1
+# mesh), its projection's fp32 weight gradient computed as the test's own reference computes
+# it; under `make gpu-check` on one GPU (NCCL, 1D), with the CUDA-only kernel
+# (torch.mm(out_dtype=torch.float32)), torch.compile of the projection, and the conversions
+# moving between the GPU and the host.
+
+SCHEDULES = ("sync", "no_sync", "checkpoint")
+
+
+class _FP32WGrad(torch.autograd.Function):
+    """torch's test projection: bf16 operands, an fp32 weight gradient out of backward. On
+    CUDA by torch's test's kernel, ``torch.mm(..., out_dtype=torch.float32)``
+    (``NotImplementedError`` on the CPU); on the CPU as that test's reference computes it, fp32
+    arithmetic on the same bf16 operands."""
+
+    @staticmethod
+    def forward(ctx: Any, inp: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inp, weight)
+        return inp @ weight.T
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inp, weight = ctx.saved_tensors
+        if grad_output.is_cuda:
+            grad_weight = torch.mm(grad_output.T.contiguous(), inp, out_dtype=FP32)
+        else:
+            grad_weight = grad_output.float().T @ inp.float()
+        return grad_output @ weight, grad_weight
+
+
+class _Projection(nn.Module):
+    """torch's test ``_Linear``: a 32x32 weight of 0.125 through ``_FP32WGrad``."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, compile_projection: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((32, 32), 0.125, device=device, dtype=dtype))
+        apply = _FP32WGrad.apply
+        self.projection = torch.compile(apply, fullgraph=True) if compile_projection else apply
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        return self.projection(inp, self.weight)
+
+
+def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    if dist.get_world_size() > 1:  # (one rank on a GPU: nothing to sum)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def _port_meshes(device: str) -> tuple[torch.device, dict[str, Any]]:
+    """The test device and meshes: every rank (1D) and HSDP 2 x world/2 on the CPU; one GPU's
+    1-rank NCCL mesh (tests/devices.py; HSDP needs 4 GPUs upstream)."""
+    if device == "cuda":
+        from devices import one_rank_mesh
+
+        return torch.device("cuda", 0), {"1d": one_rank_mesh()}
+    world = dist.get_world_size()
+    meshes = {"1d": init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))}
+    if world % 2 == 0:
+        names = ("replicate", "shard")
+        meshes["hsdp"] = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=names)
+    return torch.device("cpu"), meshes
+
+
+def _fp32_gradient(
+    dev: torch.device,
+    storage: torch.dtype,
+    raf: bool,
+    schedule: str,
+    mesh: Any,
+    compile_projection: bool,
+) -> None:
+    """``test_fp32_gradient``: ``MixedPrecisionPolicy(param_dtype=bf16, grad_dtype=fp32)``
+    without ``reduce_dtype`` (it must not fall back to bf16): the unsharded parameter receives
+    the projection's fp32 gradient bit for bit, the sharded gradient is fp32 (its spec too)
+    and bit-equal to the summed gradients' chunk, the storage keeps its dtype."""
+    case = (storage, raf, schedule, mesh.ndim, compile_projection)
+    rank = dist.get_rank()
+    projection = _Projection(dev, storage, compile_projection)
+    model = nn.Sequential(projection)
+    policy = MixedPrecisionPolicy(param_dtype=BF16, grad_dtype=FP32)
+    fully_shard(projection, mesh=mesh, mp_policy=policy, reshard_after_forward=raf)
+    fully_shard(model, mesh=mesh)
+    projection.set_gradient_divide_factor(1.0)  # type: ignore[operator]
+    projection.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+    fsdp_param = _fsdp_params(projection)[0]
+    shard_size, shard_rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
+    for step in range(2):
+        model.zero_grad(set_to_none=step == 0)
+        expected = torch.zeros((32, 32), device=dev, dtype=FP32)
+        for microbatch in range(2):
+            projection.set_requires_gradient_sync(  # type: ignore[operator]
+                schedule != "no_sync" or microbatch == 1
+            )
+            inp = torch.full(
+                (2 + microbatch, 32), 1.0078125, device=dev, dtype=BF16, requires_grad=True
+            )
+            if schedule == "checkpoint":
+                output = checkpoint(model, inp, use_reentrant=False)
+            else:
+                output = model(inp)
+            unsharded = fsdp_param.unsharded
+            assert unsharded is not None and unsharded.dtype == BF16, case
+            grad_output = torch.full_like(output, 1.0078125 * (rank + 1))
+            # fp32 arithmetic on the same bf16 operands: the reference for the mixed GEMM
+            local_grad = grad_output.float().T @ inp.detach().float()
+            assert not torch.equal(local_grad, local_grad.bfloat16().float()), case
+            received: list[torch.Tensor] = []
+            handle = unsharded.register_hook(
+                lambda g, seen=received: seen.append(g.detach().clone())
+            )
+            output.backward(grad_output)
+            handle.remove()
+            assert len(received) == 1 and received[0].dtype == FP32, (case, received)
+            assert torch.equal(received[0], local_grad), case
+            expected.add_(_sum_over_ranks(local_grad))
+            if schedule == "no_sync" and microbatch == 0:
+                continue
+            grad = projection.weight.grad
+            assert projection.weight.dtype == storage, case
+            assert grad.dtype == FP32 and grad._spec.tensor_meta.dtype == FP32, case
+            assert torch.equal(grad.to_local(), expected.chunk(shard_size)[shard_rank]), case
+        with torch.no_grad():
+            projection.weight.add_(projection.weight.grad.to(storage), alpha=-0.001)
+
+
+def _default_and_explicit(dev: torch.device, mesh: Any) -> None:
+    """``test_default_gradient_dtype`` and ``test_explicit_reduction_dtype_and_unused_parameter``.
+
+    Without ``grad_dtype`` (``reduce_dtype=fp32``) the unsharded parameter receives its bf16
+    gradient and the sharded one is in the storage dtype. With
+    ``reduce_dtype`` bf16 or fp32 and ``grad_dtype=fp32``: reduced in ``reduce_dtype``,
+    landed in fp32, bit-equal to the sum; an unused parameter gets fp32 zeros."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for storage in (BF16, FP32):
+        projection = _Projection(dev, storage)
+        mp = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32)
+        fully_shard(projection, mesh=mesh, mp_policy=mp)
+        inp = torch.full((2, 32), 1.0078125, device=dev, dtype=BF16)
+        output = projection(inp)
+        unsharded = _fsdp_params(projection)[0].unsharded
+        assert unsharded is not None
+        received: list[torch.dtype] = []
+        handle = unsharded.register_hook(lambda g, seen=received: seen.append(g.dtype))
+        output.backward(torch.full_like(output, 1.0078125))
+        handle.remove()
+        assert received == [BF16], (storage, received)
+        assert projection.weight.grad.dtype == storage, storage
+    for reduce_dtype in (BF16, FP32):
+        projection = _Projection(dev, BF16)
+        projection.register_parameter("unused", nn.Parameter(torch.zeros_like(projection.weight)))
+        mp = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=reduce_dtype, grad_dtype=FP32)
+        fully_shard(projection, mesh=mesh, mp_policy=mp)
+        projection.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
+        projection.set_gradient_divide_factor(1.0)  # type: ignore[operator]
+        projection.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+        output = projection(inp)
+        grad_output = torch.full_like(output, 1.0078125)
+        expected = _sum_over_ranks((grad_output.float().T @ inp.float()).to(reduce_dtype))
+        output.backward(grad_output)
+        grad = projection.weight.grad
+        assert grad.dtype == FP32, reduce_dtype
+        assert torch.equal(grad.to_local(), expected.float().chunk(world)[rank]), reduce_dtype
+        unused = projection.unused.grad
+        assert unused.dtype == FP32 and torch.count_nonzero(unused.to_local()) == 0
+
+
+def _fail_on_parameter(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.requires_grad:
+        raise RuntimeError("parameter conversion failed")
+    return tensor.clone()
+
+
+def _fail_on_buffer(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.numel() == 1:
+        raise RuntimeError("buffer conversion failed")
+    return tensor.cpu()
+
+
+def _conversions(dev: torch.device, mesh: Any) -> None:
+    """``test_parameter_conversion_with_gradient``, ``test_partial_parameter_conversion_failure``
+    and ``test_parameter_dtype_conversion_preserves_gradient``, with fsdp2's rules (torch
+    main's PR 197203; docs/migration.md): PR 197368's tests carry an existing gradient through
+    any conversion; fsdp2 does where the gradient stays in its parameter's gradient dtype and
+    beside a parameter of that dtype (a device move of fp32 parameters), and otherwise refuses
+    before anything converts and asks for ``zero_grad(set_to_none=True)`` (a bf16 parameter
+    holding an fp32 gradient; a dtype conversion with an explicit fp32 ``grad_dtype``)."""
+    host = torch.device("cpu")
+    inp = torch.full((3, 32), 1.0078125, device=dev, dtype=BF16)
+
+    def step(model: nn.Module) -> None:
+        model(inp).backward(torch.full_like(inp, 1.0078125))
+
+    for storage in (BF16, FP32):
+        for grad_dtype in (None, FP32):
+            case = (storage, grad_dtype)
+            model = nn.Sequential(_Projection(dev, storage))
+            mp = MixedPrecisionPolicy(param_dtype=BF16, grad_dtype=grad_dtype)
+            fully_shard(model, mesh=mesh, mp_policy=mp)
+            step(model)
+            param = model[0].weight
+            expected_param = param.to_local().detach().clone()
+            expected_grad = param.grad.to_local().clone()
+            expected_dtype = grad_dtype or storage
+            original_grad = param.grad
+            if expected_dtype != storage:  # fsdp2: a bf16 parameter with an fp32 gradient
+                with pytest.raises(RuntimeError, match=CLEAR):
+                    model._apply(_fail_on_parameter)
+                _assert_conversion_requires_clear(model, host)
+                assert param.grad is original_grad and param.device == dev, case
+                continue
+            with pytest.raises(RuntimeError, match="parameter conversion failed"):
+                model._apply(_fail_on_parameter)
+            assert param.grad is original_grad, case
+            del original_grad
+            model.cpu()
+            assert model[0].weight is param and param.device.type == "cpu", case
+            assert param.grad.device.type == "cpu", case
+            assert param.grad_dtype == param.grad.dtype == expected_dtype, case
+            assert param.grad._spec.tensor_meta.dtype == expected_dtype, case
+            assert torch.equal(param.to_local(), expected_param.cpu()), case
+            assert torch.equal(param.grad.to_local(), expected_grad.cpu()), case
+            model.to(device=dev)
+            assert param.grad.dtype == expected_dtype, case
+            assert torch.equal(param.grad.to_local(), expected_grad), case
+            step(model)
+            assert torch.equal(param.grad.to_local(), expected_grad * 2), case
+
+    for storage in (BF16, FP32):  # a buffer's conversion fails midway
+        model = nn.Sequential(_Projection(dev, storage), _Projection(dev, storage))
+        model[0].register_buffer("conversion_sentinel", torch.ones(1, device=dev))
+        fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(BF16, grad_dtype=FP32))
+        step(model)
+        params = list(model.parameters())
+        expected_grads = [p.grad.to_local().clone() for p in params]
+        if storage == BF16:  # fsdp2: refused before anything converts
+            with pytest.raises(RuntimeError, match=CLEAR):
+                model._apply(_fail_on_buffer)
+            assert [p.device for p in params] == [dev, dev], storage
+            for p, expected in zip(params, expected_grads, strict=True):
+                assert torch.equal(p.grad.to_local(), expected), storage
+            continue
+        with pytest.raises(RuntimeError, match="buffer conversion failed"):
+            model._apply(_fail_on_buffer)
+        assert params[0].device.type == "cpu" and params[1].device == dev, storage
+        for p, expected in zip(params, expected_grads, strict=True):
+            assert p.grad is not None and p.grad.device == p.device, storage
+            assert p.grad.dtype == FP32, storage
+            assert torch.equal(p.grad.to_local(), expected.to(p.device)), storage
+        model.to(device=dev)
+        step(model)
+        for p, expected in zip(params, expected_grads, strict=True):
+            assert torch.equal(p.grad.to_local(), expected * 2), storage
+
+    for storage in (BF16, FP32):  # dtype conversions with an explicit fp32 grad_dtype
+        for conversion in ("bfloat16", "half", "to_bfloat16", "to_cpu_bfloat16"):
+            case = (storage, conversion)
+            model = _Projection(dev, storage)
+            fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(BF16, grad_dtype=FP32))
+            step(model)
+            expected = model.weight.grad.to_local().clone()
+            assert not torch.equal(expected, expected.bfloat16().float()), case
+            assert not torch.equal(expected, expected.half().float()), case
+            target_dtype = torch.float16 if conversion == "half" else BF16
+            target_device = host if conversion == "to_cpu_bfloat16" else dev
+
+            def convert(
+                model: nn.Module = model,
+                conversion: str = conversion,
+                device: torch.device = target_device,
+                dtype: torch.dtype = target_dtype,
+            ) -> None:
+                if conversion in ("bfloat16", "half"):
+                    getattr(model, conversion)()
+                else:
+                    model.to(device=device, dtype=dtype)
+
+            original = model.weight.grad
+            with pytest.raises(RuntimeError, match=CLEAR):  # fsdp2: clear first
+                convert()
+            assert model.weight.dtype == storage and model.weight.grad is original, case
+            model.zero_grad(set_to_none=True)
+            convert()
+            assert model.weight.dtype == target_dtype, case
+            assert model.weight.device == target_device and model.weight.grad is None, case
+            assert model.weight.grad_dtype == FP32, case
+            model.to(device=dev, dtype=storage)
+            step(model)
+            assert torch.equal(model.weight.grad.to_local(), expected), case
+
+
+def _grad_dtype_port(device: str, compile_projection: bool) -> None:
+    dev, meshes = _port_meshes(device)
+    for storage, raf, schedule, mesh in itertools.product(
+        (BF16, FP32), (False, True), SCHEDULES, meshes.values()
+    ):
+        _fp32_gradient(dev, storage, raf, schedule, mesh, compile_projection)
+    if not compile_projection:  # (upstream compiles the projection in test_fp32_gradient only)
+        _default_and_explicit(dev, meshes["1d"])
+        _conversions(dev, meshes["1d"])
+
+
+def test_torch_grad_dtype_cases() -> None:
+    run_on_ranks(2, _grad_dtype_port, "cpu", False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile_projection", [False, True], ids=["eager", "compiled"])
+def test_torch_grad_dtype_cases_cuda(compile_projection: bool) -> None:
+    require_cuda("torch.mm(out_dtype=torch.float32)")  # tests/devices.py
+    if compile_projection:
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            pytest.skip("torch.compile on CUDA needs triton")
+    for _ in range(REPEATS):
+        run_on_ranks(1, _grad_dtype_port, "cuda", compile_projection)
 
 
 # ---------------------------------------------------------------------------------------------

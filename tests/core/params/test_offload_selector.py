@@ -12,7 +12,9 @@ fsdp2/_core/front/offload.py) and ``fsdp2.cpu_offload_by_budget``.
   call mixing offloaded, phase-offloaded and on-device parameters trains like the
   replicated reference, and a mapping offloading all (none) of a call's parameters trains
   bitwise like torch's FSDP2 with ``CPUOffloadPolicy`` (``OffloadPolicy``) for that call; a
-  budget map per block; a list of modules (names relative to each module).
+  budget map per block; a list of modules (names relative to each module). The seam's
+  ``unit_settings`` reports each call's one policy, or every name's policy where a mapping
+  split them (given back to ``fully_shard``: the same groups).
 * Bad input, raised before any collective and leaving the module as it was: a name that is
   no parameter of the call (unknown, a submodule's already sharded, in ``ignored_params``, a
   tied parameter's second name: ``ValueError`` naming it and why), a key that is no string
@@ -38,6 +40,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import fsdp2
 from fsdp2 import CPUOffloadPolicy, cpu_offload_by_budget
+from fsdp2._core.front.seam import unit_settings
 from fsdp2._core.runtime.state import state_of
 from fsdp2.api import _select_largest_first
 
@@ -199,6 +202,17 @@ def _mixed() -> None:
         "head.weight": OFF,
         "head.bias": OFF,
     }
+    # what the seam reports: each call's one policy, or every name's where a mapping split
+    # them; given back to fully_shard, the same groups
+    settings = {m: s.offload_policy for m, s in unit_settings(ours).items()}
+    assert settings[ours.layers[0]] == {"lin.weight": OFF, "lin.bias": on_device}
+    assert settings[ours.layers[1]] == {"lin.weight": on_device, "lin.bias": FWD_ONLY}
+    assert (settings[ours.layers[2]], settings[ours]) == (on_device, OFF)
+    again = build(NAME)
+    for block, old in zip(again.layers, ours.layers, strict=True):
+        fsdp2.fully_shard(block, mesh=mesh, offload_policy=settings[old])
+    fsdp2.fully_shard(again, mesh=mesh, offload_policy=settings[ours])
+    assert _policies(again) == _policies(ours)
     # a group per policy: 6 groups, so 6 all-gathers in forward (the root's kept for
     # backward: 5 in backward) and 6 reduce-scatters
     x, y = make_batch(NAME, 0)
@@ -260,6 +274,9 @@ def _by_budget_and_lists() -> None:
     want = {"a.weight": OFF, "a.bias": fsdp2.OffloadPolicy()}
     want |= {"b.weight": OFF, "b.bias": fsdp2.OffloadPolicy()}
     assert _policies(pair) == want
+    reported = unit_settings(pair)  # named as the list's mapping keys them
+    assert reported[pair.a].offload_policy == {"weight": OFF, "bias": fsdp2.OffloadPolicy()}
+    assert reported[pair.b] == reported[pair.a]
     pair(torch.randn(2, 4)).sum().backward()
     dist.barrier()
 
