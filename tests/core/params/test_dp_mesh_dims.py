@@ -46,6 +46,7 @@ from tp_models import VOCAB, tp_batch
 
 import fsdp2
 from fsdp2 import DataParallelMeshDims
+from fsdp2._core.support.compat import TORCH_VERSION
 
 # torch's fully_shard takes dp_mesh_dims from 2.13; on older torch fsdp2 is checked against the
 # replicated reference alone.
@@ -190,6 +191,10 @@ def _layout(model: nn.Module) -> dict[str, tuple[Any, str, tuple[int, ...]]]:
     }
 
 
+def _shapes(layout: dict[str, tuple[Any, str, tuple[int, ...]]]) -> dict[str, tuple[int, ...]]:
+    return {n: shape for n, (_, _, shape) in layout.items()}
+
+
 _MESH_CACHE: dict[tuple[Any, ...], DeviceMesh] = {}
 
 
@@ -243,6 +248,10 @@ def _run_config(name: str) -> dict[str, Any]:
 
     if "torch" in models:
         ours, theirs = _layout(models["fsdp2"]), _layout(models["torch"])
+        if isinstance(shard, tuple) and TORCH_VERSION < (2, 13):
+            # torch 2.12 keeps several shard dims unflattened (Shard(0) on each); 2.13+
+            # flattens them as fsdp2 does on every torch (docs/migration.md): same local shapes
+            ours, theirs = _shapes(ours), _shapes(theirs)
         assert ours == theirs, f"{name}: layouts differ:\nfsdp2 {ours}\ntorch {theirs}"
     single = isinstance(shard, str) or shard is None
     for pname, p in models["fsdp2"].named_parameters():
