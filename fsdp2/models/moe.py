@@ -16,13 +16,12 @@ weights on another) with either engine's ``fully_shard``.
   data-parallel mesh, one ``fully_shard`` call per block.
 
 Without :func:`apply_expert_parallel` the same model computes every expert locally: that
-is the replicated reference the sharded runs are compared with.
-
-Balanced routing under fake tensors (``fsdp2.estimate_memory``'s simulated step), whose
-token counts (``bincount``, the all-to-all splits) cannot be read: every expert gets ``tokens *
-top_k / num_experts`` of a rank's routed tokens (near-equal integers summing to the total) and
-every rank sends each rank of the expert-parallel group an equal share. Real tensors take the
-real path, unchanged (tests/planning/test_estimate_moe.py: the estimate vs measured peaks).
+is the replicated reference the sharded runs are compared with. Balanced routing under fake
+tensors (``fsdp2.estimate_memory``'s simulated step), whose token counts (per expert, the
+all-to-all splits) cannot be read: every expert gets ``tokens * top_k / num_experts`` of a
+rank's routed tokens (near-equal integers summing to the total) and every rank sends each
+rank of the expert-parallel group an equal share. Real tensors take the real path,
+unchanged (tests/planning/test_estimate_moe.py: the estimate vs measured peaks).
 """
 
 from __future__ import annotations
@@ -121,7 +120,7 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
         if counts.numel() != w1.size(0):
             raise ValueError(f"{counts.numel()} token counts for {w1.size(0)} local experts")
-        sizes = _balanced(x.size(0), counts.numel()) if is_fake(counts) else counts.tolist()
+        sizes = _balanced(x.size(0), counts.numel()) if _fake(counts) else counts.tolist()
         outs = []
         for e, chunk in enumerate(torch.split(x, sizes, dim=0)):
             h = F.silu(chunk @ w1[e].transpose(0, 1)) * (chunk @ w3[e].transpose(0, 1))
@@ -136,6 +135,10 @@ class GroupedExperts(nn.Module):
         nn.init.trunc_normal_(self.w2, std=out_std)
 
 
+def _fake(t: torch.Tensor) -> bool:  # estimate_memory's; not torch.compile's (the real path)
+    return not torch.compiler.is_compiling() and is_fake(t)
+
+
 def _balanced(total: int, parts: int) -> list[int]:
     """``total`` in ``parts`` near-equal shares, the larger first (balanced routing)."""
     return [total // parts + (i < total % parts) for i in range(parts)]
@@ -148,10 +151,7 @@ def _all_to_all(
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     with warnings.catch_warnings():  # torch 2.13 deprecates the autograd-aware functional API
         warnings.simplefilter("ignore", FutureWarning)
-        result: torch.Tensor = dist_nn.all_to_all_single(
-            out, x.contiguous(), out_splits, in_splits, group=group
-        )
-    return result
+        return dist_nn.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)  # type: ignore[no-any-return]
 
 
 def _group_by_expert(counts: torch.Tensor) -> torch.Tensor:
@@ -202,10 +202,10 @@ class MoE(nn.Module):
         flat = expert_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (T * K,): by expert, then by token
         token_ids = order // self.top_k
-        if is_fake(flat):  # fake tensors (estimate_memory): balanced routing
+        if _fake(flat):  # fake tensors (estimate_memory): balanced routing
             counts = torch.tensor(_balanced(flat.numel(), self.num_experts), device=flat.device)
         else:
-            counts = torch.bincount(flat, minlength=self.num_experts)
+            counts = flat.new_zeros(self.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
         self.tokens_per_expert = counts.detach().clone()
         routed = tokens[token_ids]
         if self.ep_group is None:
@@ -226,7 +226,7 @@ class MoE(nn.Module):
         received_counts = torch.empty_like(counts)
         dist.all_to_all_single(received_counts, counts, group=group)
         by_source = received_counts.view(ep, n_local)  # [source rank][local expert]
-        if is_fake(counts):  # balanced routing: equal shares each way, kept in arrival order
+        if _fake(counts):  # balanced routing: equal shares each way, kept in arrival order
             send_splits = _balanced(routed.size(0), ep)
             recv_splits = [send_splits[dist.get_rank(group)]] * ep
             perm = torch.arange(sum(recv_splits), device=routed.device)
