@@ -8,14 +8,56 @@ also inside a backward, where activation checkpointing recomputes) returns the g
 (unsharded) parameter, and elsewhere the sharded DTensor, as eager ``fully_shard`` has it
 between steps. ``module._parameters["weight"]`` (what ``named_parameters()``,
 ``state_dict()``, ``load_state_dict()`` and the optimizer see) is always the sharded
-DTensor. The gather is ``_Unshard``: forward casts the local shard to
-``param_dtype`` and all-gathers it (padded to torch.chunk's equal rows, then narrowed),
-backward casts the gradient to ``reduce_dtype``, reduce-scatters it (a sum divided by the
-mesh size: eager fsdp2's average on gloo) and casts it to the parameter's dtype; the
-DTensor's ``to_local`` turns that into a ``Shard(0)`` DTensor gradient.
+DTensor. The gather is ``_Unshard``: forward casts the local shard to ``param_dtype`` and
+all-gathers it over the mesh's shard dim (padded to torch.chunk's equal rows, then narrowed);
+backward casts the gradient to ``reduce_dtype``, reduce-scatters it over the shard dim and,
+on a 2D (HSDP) mesh, all-reduces it over the replicate dim (a sum divided by the
+data-parallel size: eager fsdp2's average on gloo) and casts it to the parameter's dtype;
+the DTensor's ``to_local`` turns that into a gradient DTensor of the parameter's placements.
 ``reshard_after_forward=True`` runs the gather under ``torch.utils.checkpoint`` with a policy
 that recomputes the collectives when compiled, so backward all-gathers again instead of
 saving the unsharded parameter (SimpleFSDP's way, arXiv 2411.00284).
+
+A tied parameter (registered on several modules of one call, as a tied embedding and head)
+is gathered once per forward of the call root: the root's forward gathers it at entry into
+``_Plan.cache`` (dropped at exit) and every read returns that one tensor, so autograd sums
+the reads' gradients before the one reduce-scatter, as eager fsdp2 does. Under
+``torch.compile`` the dict is Python state of the traced frame (dynamo folds it away: the
+graph uses one value twice). It is filled at entry, not at the first read, because a read
+may lie inside an activation-checkpointed region, which dynamo traces as a higher-order op
+that may not mutate state from outside it; reads only look it up. The cost: a tied
+parameter is gathered even in a forward that does not read it.
+
+[Note: traced tensor parallel]
+A parameter that is a DTensor already (``parallelize_module`` on a TP mesh that is another
+dimension of the data-parallel mesh's root) is sharded as eager ``fully_shard`` shards it:
+its TP-local tensor is split over the data-parallel shard dim (torch.chunk's rows), and the
+sharded parameter is a DTensor on the concatenated (dp..., tp...) mesh, with
+``_StridedShard(0, split_factor=tp)`` where TP shards dim 0 too (so ``full_tensor()`` and
+the state dict are eager's). The gather all-gathers the TP-local tensor over the
+data-parallel dim only and wraps it with ``DTensor.from_local`` on the TP mesh, so the
+module computes on the DTensor that TP expects; ``from_local``'s backward turns the
+gradient back to the TP placements (a ``Partial`` one all-reduced over the TP mesh, in the
+compute dtype) and ``_Unshard`` reduces that TP-local gradient over the data-parallel dims.
+
+[Note: traced accumulation]
+``set_requires_gradient_sync(False)`` sets ``_Plan.sync`` false. A read then gathers through
+``_UnshardNoSync`` instead: its forward all-gathers the local shard detached from the
+parameter, and its backward hands the whole unsharded gradient (cast to the accumulation
+dtype: ``reduce_dtype``, else ``param_dtype``, else the parameter's) to a sink: a leaf tensor
+of the unsharded shape per parameter (``_Plan.accs``, made at the first
+``set_requires_gradient_sync(False)``: zero stride, no memory), so autograd's own
+``AccumulateGrad`` sums the micro-batches in ``sink.grad``, outside the graph and with no
+collective. A synced read passes ``sink.grad`` (when set) into ``_Unshard``, whose backward
+adds it to the gradient before reducing. The sharded parameter's post-accumulate-grad hook
+(registered with the sink) drops ``sink.grad`` once the synced gradient landed; so does
+``TracedModule.zero_grad``. The hook goes by the mode, not by whether a gradient came:
+compiled, autograd runs it for every parameter input of the graph, a no-sync backward's
+too (whose parameters get no gradient). It also refuses a mode changed between a forward
+and its backward (``_Plan.forward_sync``), as the no-sync backward does uncompiled. Under
+``torch.compile`` the mode and whether a sum is pending are read in the forward, so dynamo
+guards on them: a no-sync graph, a synced graph adding the sums and a plain synced graph,
+each compiled once, at its first use.
 """
 
 from __future__ import annotations
@@ -23,26 +65,60 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement
 
 from fsdp2.api import MixedPrecisionPolicy
 
+_FUNCTIONAL = torch.ops._c10d_functional
+
 
 class _Plan:
-    """How one ``fully_shard_traced`` call gathers and reduces its parameters (constant)."""
+    """One ``fully_shard_traced`` call: how it gathers and reduces (fixed at sharding), its
+    parameters by slot, and the little state a step reads (the sync flag, the no-sync
+    sums' sinks, the per-forward gather cache). See [Note: traced gathers]."""
 
-    def __init__(self, mesh: DeviceMesh, reshard: bool, mp: MixedPrecisionPolicy) -> None:
-        group = mesh.get_group()
-        self.group_name: str = group.group_name
-        self.world: int = mesh.size()
-        self.rank: int = mesh.get_local_rank()
+    def __init__(
+        self, name: str, mesh: DeviceMesh, reshard: bool, mp: MixedPrecisionPolicy
+    ) -> None:
+        self.name = name  # the call root's class, for messages
+        shard = mesh.ndim - 1  # HSDP: dim 0 replicates, dim 1 shards (as fully_shard)
+        self.group_name: str = mesh.get_group(shard).group_name
+        self.world: int = mesh.size(shard)
+        self.rank: int = mesh.get_local_rank(shard)
+        self.replicate_name: str | None = None
+        self.replicas = 1
+        if mesh.ndim == 2 and mesh.size(0) > 1:
+            self.replicate_name = mesh.get_group(0).group_name
+            self.replicas = mesh.size(0)
         self.reshard = reshard
         self.param_dtype = mp.param_dtype
         self.reduce_dtype = mp.reduce_dtype
         self.output_dtype = mp.output_dtype
         self.cast_inputs = mp.cast_forward_inputs and mp.param_dtype is not None
         self.active = 0  # > 0 inside the call root's forward: reads gather
+        self.cache: dict[int, torch.Tensor] | None = None  # slot -> gathered, in that forward
+        self.sync = True  # set_requires_gradient_sync; see [Note: traced accumulation]
+        self.forward_sync = True  # ``sync`` when the call root's last forward began
+        self.params: list[nn.Parameter] = []  # the sharded parameters, by slot
+        self.layouts: list[_Layout] = []  # what each one gathers into, by slot
+        self.tied: list[int] = []  # slots of parameters registered on several modules
+        self.accs: list[torch.Tensor | None] = []  # the no-sync sums' sinks, by slot
+
+
+class _Layout:
+    """One parameter's unsharded form: ``shape`` (rows ``shape[0]`` gathered), and for a
+    tensor-parallel parameter the TP mesh, placements, global shape and stride that wrap
+    it back into the DTensor the module computes with. See [Note: traced tensor parallel]."""
+
+    def __init__(
+        self,
+        shape: torch.Size,
+        tp: tuple[DeviceMesh, tuple[Placement, ...], torch.Size, tuple[int, ...]] | None = None,
+    ) -> None:
+        self.shape = shape
+        self.tp = tp
 
 
 def _rows(plan: _Plan, dim0: int) -> tuple[int, int]:
@@ -51,43 +127,79 @@ def _rows(plan: _Plan, dim0: int) -> tuple[int, int]:
     return per_rank, max(0, min(per_rank, dim0 - plan.rank * per_rank))
 
 
+def _all_gather(local: torch.Tensor, plan: _Plan, dim0: int) -> torch.Tensor:
+    per_rank, held = _rows(plan, dim0)
+    x = local if plan.param_dtype is None else local.to(plan.param_dtype)
+    if held != per_rank:
+        x = torch.cat([x, x.new_zeros((per_rank - held, *x.shape[1:]))])
+    full: torch.Tensor = _FUNCTIONAL.all_gather_into_tensor(
+        x.contiguous(), plan.world, plan.group_name
+    )
+    full = _FUNCTIONAL.wait_tensor(full)
+    return full if full.shape[0] == dim0 else full[:dim0]
+
+
+def _reduce(g: torch.Tensor, plan: _Plan, dim0: int) -> torch.Tensor:
+    """Reduce-scatter ``g`` over the shard dim, all-reduce over the replicate dim (HSDP),
+    averaged over both; this rank's rows."""
+    per_rank, held = _rows(plan, dim0)
+    pad = per_rank * plan.world - dim0
+    if pad:
+        g = torch.cat([g, g.new_zeros((pad, *g.shape[1:]))])
+    pre, post = _divide(plan.world * plan.replicas, g.dtype)
+    if pre != 1:
+        g = g / pre
+    out: torch.Tensor = _FUNCTIONAL.reduce_scatter_tensor(
+        g.contiguous(), "sum", plan.world, plan.group_name
+    )
+    out = _FUNCTIONAL.wait_tensor(out)
+    if plan.replicate_name is not None:
+        out = _FUNCTIONAL.wait_tensor(_FUNCTIONAL.all_reduce(out, "sum", plan.replicate_name))
+    if post != 1:
+        out = out / post
+    return out if held == per_rank else out[:held]
+
+
 class _Unshard(torch.autograd.Function):
-    """All-gather a local ``Shard(0)`` piece; backward: reduce-scatter its gradient.
-    See [Note: traced gathers]."""
+    """All-gather a local ``Shard(0)`` piece; backward: add the no-sync sum (if any) to its
+    gradient and reduce it. See [Note: traced gathers]."""
 
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, plan: _Plan, dim0: int) -> torch.Tensor:
-        per_rank, held = _rows(plan, dim0)
+    def forward(
+        ctx: Any, local: torch.Tensor, pending: torch.Tensor | None, plan: _Plan, dim0: int
+    ) -> torch.Tensor:
         ctx.plan, ctx.dim0, ctx.orig_dtype = plan, dim0, local.dtype
-        x = local if plan.param_dtype is None else local.to(plan.param_dtype)
-        if held != per_rank:
-            x = torch.cat([x, x.new_zeros((per_rank - held, *x.shape[1:]))])
-        full: torch.Tensor = torch.ops._c10d_functional.all_gather_into_tensor(
-            x.contiguous(), plan.world, plan.group_name
-        )
-        full = torch.ops._c10d_functional.wait_tensor(full)
-        return full if full.shape[0] == dim0 else full[:dim0]
+        ctx.pending = pending is not None
+        if pending is not None:
+            ctx.save_for_backward(pending)
+        return _all_gather(local, plan, dim0)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        plan, dim0 = ctx.plan, ctx.dim0
-        per_rank, held = _rows(plan, dim0)
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        plan = ctx.plan
         g = grad if plan.reduce_dtype is None else grad.to(plan.reduce_dtype)
-        pad = per_rank * plan.world - dim0
-        if pad:
-            g = torch.cat([g, g.new_zeros((pad, *g.shape[1:]))])
-        pre, post = _divide(plan.world, g.dtype)
-        if pre != 1:
-            g = g / pre
-        out = torch.ops._c10d_functional.reduce_scatter_tensor(
-            g.contiguous(), "sum", plan.world, plan.group_name
-        )
-        out = torch.ops._c10d_functional.wait_tensor(out)
-        if post != 1:
-            out = out / post
-        if held != per_rank:
-            out = out[:held]
-        return out.to(ctx.orig_dtype), None, None
+        if ctx.pending:
+            (pending,) = ctx.saved_tensors
+            g = g + pending.to(g.dtype)
+        return _reduce(g, plan, ctx.dim0).to(ctx.orig_dtype), None, None, None
+
+
+class _UnshardNoSync(torch.autograd.Function):
+    """All-gather a local piece (detached); backward: the unsharded gradient goes to the
+    sink ``acc``, no collective. See [Note: traced accumulation]."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, local: torch.Tensor, acc: torch.Tensor, plan: _Plan, dim0: int
+    ) -> torch.Tensor:
+        ctx.plan, ctx.acc_dtype = plan, acc.dtype
+        return _all_gather(local, plan, dim0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None, None]:
+        if not torch.compiler.is_compiling():  # compiled, the parameters' hooks check it
+            _check_mode(ctx.plan)
+        return None, grad.to(ctx.acc_dtype), None, None
 
 
 def _divide(world: int, dtype: torch.dtype) -> tuple[float, float]:
@@ -104,10 +216,7 @@ def _divide(world: int, dtype: torch.dtype) -> tuple[float, float]:
 def _recompute_collectives() -> Any:
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    ops = {
-        torch.ops._c10d_functional.all_gather_into_tensor.default,
-        torch.ops._c10d_functional.wait_tensor.default,
-    }
+    ops = {_FUNCTIONAL.all_gather_into_tensor.default, _FUNCTIONAL.wait_tensor.default}
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_RECOMPUTE if op in ops else CheckpointPolicy.PREFER_SAVE
@@ -115,19 +224,92 @@ def _recompute_collectives() -> Any:
     return create_selective_checkpoint_contexts(policy)
 
 
-def _unshard(param: torch.Tensor, plan: _Plan) -> torch.Tensor:
+def _unshard(param: torch.Tensor, plan: _Plan, slot: int) -> torch.Tensor:
     local = param.to_local() if isinstance(param, DTensor) else param
-    dim0 = param.shape[0]
+    layout = plan.layouts[slot]
+    acc = plan.accs[slot]
+    fn: Any
+    if plan.sync:
+        fn, extra = _Unshard.apply, (None if acc is None else acc.grad)
+    else:
+        assert acc is not None, "set_requires_gradient_sync(False) makes the sinks"
+        fn, extra, local = _UnshardNoSync.apply, acc, local.detach()
+    dim0 = layout.shape[0]
+    out: torch.Tensor
     if plan.reshard and torch.compiler.is_compiling():
         from torch.utils.checkpoint import checkpoint
 
-        out: torch.Tensor = checkpoint(
-            _Unshard.apply,
-            local,
-            plan,
-            dim0,
-            use_reentrant=False,
-            context_fn=_recompute_collectives,
+        out = checkpoint(
+            fn, local, extra, plan, dim0, use_reentrant=False, context_fn=_recompute_collectives
         )
+    else:
+        out = fn(local, extra, plan, dim0)
+    if layout.tp is None:
         return out
-    return _Unshard.apply(local, plan, dim0)  # type: ignore[no-any-return]
+    mesh, placements, shape, stride = layout.tp
+    return DTensor.from_local(out, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def gather(param: torch.Tensor, plan: _Plan, slot: int) -> torch.Tensor:
+    """The unsharded value of ``plan``'s parameter ``slot`` for this read: a tied parameter's
+    gather of this forward of the call root, else a gather of its own."""
+    cache = plan.cache
+    if cache is not None and slot in cache:
+        return cache[slot]
+    return _unshard(param, plan, slot)
+
+
+def gather_tied(plan: _Plan) -> dict[int, torch.Tensor]:
+    """The call root's forward begins: gather each tied parameter once for all its reads.
+    See [Note: traced gathers]."""
+    return {slot: _unshard(plan.params[slot], plan, slot) for slot in plan.tied}
+
+
+def set_sync(plan: _Plan, sync: bool) -> None:
+    """``set_requires_gradient_sync`` for one call: the flag, and the sinks the first time
+    it turns off. See [Note: traced accumulation]."""
+    plan.sync = sync
+    if sync:
+        return
+    for slot, p in enumerate(plan.params):
+        if plan.accs[slot] is not None:
+            continue
+        local = p.to_local() if isinstance(p, DTensor) else p
+        dtype = plan.reduce_dtype or plan.param_dtype or p.dtype
+        shape = plan.layouts[slot].shape
+        strides = (0,) * len(shape)  # one element of storage: the sink only collects .grad
+        sink = local.new_empty_strided(shape, strides, dtype=dtype).zero_().requires_grad_()
+        plan.accs[slot] = sink
+        p.register_post_accumulate_grad_hook(_Landed(plan, slot))
+
+
+def drop_sums(plan: _Plan) -> None:
+    """Forget the no-sync sums (``zero_grad``)."""
+    for sink in plan.accs:
+        if sink is not None:
+            sink.grad = None
+
+
+class _Landed:
+    """A parameter's post-accumulate-grad hook: a synced gradient landed, so the no-sync
+    sum it carried is spent."""
+
+    def __init__(self, plan: _Plan, slot: int) -> None:
+        self.plan, self.slot = plan, slot
+
+    def __call__(self, param: torch.Tensor) -> None:
+        plan = self.plan
+        _check_mode(plan)
+        sink = plan.accs[self.slot]
+        if plan.sync and sink is not None:
+            sink.grad = None
+
+
+def _check_mode(plan: _Plan) -> None:
+    """Backward runs the mode its forward chose; refuse a mode changed in between."""
+    if plan.sync != plan.forward_sync:
+        raise RuntimeError(
+            f"fully_shard_traced({plan.name}): set_requires_gradient_sync({plan.sync}) was "
+            "called between a forward and its backward; the traced mode reads it in the "
+            "forward (its graph reduces or not): call it before the micro-batch's forward"
+        )

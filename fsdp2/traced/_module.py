@@ -8,9 +8,10 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from fsdp2.traced._gather import _Plan, _unshard
+from fsdp2.traced._gather import _Plan, drop_sums, gather, gather_tied, set_sync
 
 _PLAN = "_fsdp2_traced_plan"  # the instance attribute holding a module's _Plan
+_SLOTS = "_fsdp2_traced_slots"  # an owner's {parameter name: its slot in the plan}
 
 
 def _gathers(plan: _Plan) -> bool:
@@ -27,7 +28,7 @@ def _gathered(name: str) -> property:
         plan: _Plan = getattr(self, _PLAN)
         param = self._parameters[name]
         assert param is not None
-        return _unshard(param, plan) if _gathers(plan) else param
+        return gather(param, plan, getattr(self, _SLOTS)[name]) if _gathers(plan) else param
 
     return property(get)
 
@@ -45,8 +46,9 @@ class TracedModule(nn.Module):
     """The class a ``fully_shard_traced`` module gets (mixed in before its own).
 
     Its forward casts floating-point inputs to ``param_dtype`` and outputs to
-    ``output_dtype`` (``MixedPrecisionPolicy``), in the graph. Eager ``FSDPModule``'s
-    step controls have no traced counterpart yet: each raises ``NotImplementedError``
+    ``output_dtype`` (``MixedPrecisionPolicy``), in the graph. Of eager ``FSDPModule``'s
+    step controls it has ``set_requires_gradient_sync`` (and ``zero_grad`` drops the no-sync
+    sums); the others have no traced counterpart: each raises ``NotImplementedError``
     rather than being ignored.
     """
 
@@ -54,12 +56,48 @@ class TracedModule(nn.Module):
         plan: _Plan = getattr(self, _PLAN)
         if plan.cast_inputs:
             args, kwargs = _cast(plan.param_dtype, (args, kwargs))
+        outermost = plan.active == 0
+        if outermost:  # tied parameters gathered once: [Note: traced gathers]
+            plan.forward_sync = plan.sync
+            plan.cache = gather_tied(plan) if plan.tied else None
         plan.active += 1
         try:
             out = super().forward(*args, **kwargs)
         finally:
             plan.active -= 1
+            if outermost:
+                plan.cache = None
         return _cast(plan.output_dtype, out)
+
+    def _plans(self, recurse: bool) -> list[_Plan]:
+        """This call's plan, and with ``recurse`` those of the calls on its submodules."""
+        if not recurse:
+            return [getattr(self, _PLAN)]
+        plans: dict[int, _Plan] = {}
+        for mod in self.modules():
+            plan = getattr(mod, _PLAN, None)
+            if plan is not None:
+                plans.setdefault(id(plan), plan)
+        return list(plans.values())
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """Whether backward reduces gradients, as ``FSDPModule.set_requires_gradient_sync``:
+        ``False`` accumulates the unsharded gradients locally (in ``reduce_dtype`` if set),
+        with no collective in the backward graph, until a backward with ``True`` adds their
+        sum before reducing. Unlike eager fsdp2 the mode is read by the forward (set it
+        before the forward of the micro-batch); compiled, each mode is its own graph (one
+        recompile). See [Note: traced accumulation]."""
+        for plan in self._plans(recurse):
+            set_sync(plan, bool(requires_gradient_sync))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, and the no-sync sums not yet reduced (as eager
+        fsdp2's ``zero_grad`` clears its pending gradients)."""
+        super().zero_grad(set_to_none)
+        for plan in self._plans(True):
+            drop_sums(plan)
 
     def _refuse(self, what: str) -> NoReturn:
         raise NotImplementedError(
@@ -73,9 +111,6 @@ class TracedModule(nn.Module):
 
     def reshard(self, *args: Any, **kwargs: Any) -> NoReturn:
         self._refuse("reshard")
-
-    def set_requires_gradient_sync(self, *args: Any, **kwargs: Any) -> NoReturn:
-        self._refuse("set_requires_gradient_sync (gradient accumulation without sync)")
 
     def set_modules_to_forward_prefetch(self, *args: Any, **kwargs: Any) -> NoReturn:
         self._refuse("set_modules_to_forward_prefetch (the compiler schedules the gathers)")

@@ -5,15 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp2._core.front.sharding import FSDPModule
 from fsdp2._core.support.mesh import default_mesh
 from fsdp2.api import MixedPrecisionPolicy, OffloadPolicy
-from fsdp2.traced._gather import _Plan
-from fsdp2.traced._module import _PLAN, TracedModule, _traced_class
+from fsdp2.traced._gather import _Layout, _Plan, _rows
+from fsdp2.traced._module import _PLAN, _SLOTS, TracedModule, _traced_class
 
 
 def _owned(root: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -49,10 +51,17 @@ def _check(
                 f"{where}: {what} is sharded by fsdp2.fully_shard already; the two modes do "
                 "not mix in one model: shard every module with one of them"
             )
-    if mesh.ndim != 1:
-        raise NotImplementedError(
-            f"{where}: only a 1D mesh (FSDP) is traced yet, got a {mesh.ndim}D mesh (HSDP); "
-            "use fsdp2.fully_shard for HSDP"
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"{where}: expects a 1D mesh (FSDP) or a 2D mesh (HSDP: replicate x shard), got "
+            f"a {mesh.ndim}D mesh of shape {tuple(mesh.shape)}; for TP slice the "
+            "data-parallel dims first, e.g. mesh['dp'] or mesh['replicate', 'shard']"
+        )
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise ValueError(
+            f"{where}: a 2D mesh of shape {tuple(mesh.shape)} without mesh_dim_names; a 2D "
+            "mesh means HSDP (dim 0 replicates, dim 1 shards), as with fully_shard: "
+            "init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))"
         )
     if not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(
@@ -66,6 +75,46 @@ def _check(
     for name, value in unsupported.items():
         if value is not None:
             raise NotImplementedError(f"{where}: {name} is not supported in the traced mode yet")
+
+
+def _tp_mesh(p: DTensor, mesh: DeviceMesh, fqn: str) -> DeviceMesh:
+    """The (dp..., tp...) mesh a tensor-parallel parameter is sharded on, as with
+    ``fully_shard``; a ``ValueError`` naming it if its mesh is no other dimension of
+    ``mesh``'s root or it is ``Partial``. See [Note: traced tensor parallel]."""
+    try:
+        cat = DeviceMesh._concatenate([mesh, p.device_mesh])
+    except Exception as e:  # noqa: BLE001 - any failure means the meshes do not compose
+        raise ValueError(
+            f"fully_shard_traced: parameter {fqn!r} is a DTensor on mesh {p.device_mesh}, "
+            f"which is not another dimension of the data-parallel mesh {mesh} (both must be "
+            "slices of one root mesh, e.g. mesh['dp'] and mesh['tp'])"
+        ) from e
+    if any(pl.is_partial() for pl in p.placements):
+        raise ValueError(
+            f"fully_shard_traced: parameter {fqn!r} has Partial placements {p.placements}"
+        )
+    return cat
+
+
+def _shard_tp(p: DTensor, plan: _Plan, cat: DeviceMesh, dp_ndim: int) -> tuple[DTensor, _Layout]:
+    """Split a TP parameter's local tensor over the data-parallel shard dim: a DTensor on
+    the concatenated mesh, of eager ``fully_shard``'s placements."""
+    local = p.to_local().detach()
+    per_rank, held = _rows(plan, local.shape[0])
+    start = min(plan.rank * per_rank, local.shape[0])
+    rows = local[start : start + held].clone()
+    split = 1  # TP sharding dim 0 too: FSDP's rows are strided over the global rows
+    for placement, size in zip(p.placements, p.device_mesh.shape, strict=True):
+        if isinstance(placement, Shard) and placement.dim == 0:
+            split *= size
+    inner: Placement = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
+    dp: list[Placement] = [inner] if dp_ndim == 1 else [Replicate(), inner]
+    placements = (*dp, *p.placements)
+    dt = DTensor.from_local(
+        rows, cat, placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
+    tp = (p.device_mesh, tuple(p.placements), p.shape, p.stride())
+    return dt, _Layout(local.shape, tp)
 
 
 def fully_shard_traced(
@@ -82,18 +131,28 @@ def fully_shard_traced(
     and reduce-scatters are functional collectives in the traced graphs.
 
     Like ``fsdp2.fully_shard``: call it on each block, then on the root; every parameter
-    of ``module`` not managed by an earlier call becomes a ``Shard(0)`` DTensor on ``mesh``
-    (``named_parameters()``, ``state_dict()`` and the optimizer see the same DTensors as
-    with eager ``fully_shard``). Inside the forward of the module this call was made on,
-    reading a managed parameter through its module (``module.weight``) all-gathers it
-    (cast to ``mp_policy.param_dtype`` first), a collective every rank must make; its
-    gradient is reduce-scattered in ``reduce_dtype`` and averaged over the mesh. Outside
-    that forward the read returns the sharded DTensor, as with ``fully_shard``.
+    of ``module`` not managed by an earlier call becomes a DTensor of eager
+    ``fully_shard``'s placements on the same mesh (``Shard(0)``; ``(Replicate(), Shard(0))``
+    on a 2D HSDP mesh; for a tensor-parallel DTensor, the (dp, tp) mesh and placements
+    ``fully_shard`` gives it), so ``named_parameters()``, ``state_dict()`` and the
+    optimizer see the same DTensors as with eager ``fully_shard``. Inside the forward of
+    the module this call was made on, reading a managed parameter through its module
+    (``module.weight``) all-gathers it over the mesh's shard dim (cast to
+    ``mp_policy.param_dtype`` first; a tensor-parallel one comes back as a DTensor on its TP
+    mesh), a collective every rank must make; a parameter registered on several modules
+    (tied) is gathered once per forward. Its gradient is reduce-scattered in
+    ``reduce_dtype`` over the shard dim, all-reduced over the replicate dim (HSDP) and
+    averaged over both. Outside that forward the read returns the sharded DTensor, as with
+    ``fully_shard``. ``module.set_requires_gradient_sync(False)`` accumulates unsharded
+    gradients without communicating until a synced backward (set it before the forward).
 
     Args:
         module: the module to shard; its class is swapped for a ``TracedModule``
             subclass (its forward casts inputs and outputs per ``mp_policy``).
-        mesh: a 1D mesh (default: the world, as ``fully_shard``).
+        mesh: a 1D mesh (FSDP), or a 2D mesh with ``mesh_dim_names`` (HSDP: dim 0
+            replicates, dim 1 shards); default: the world, as ``fully_shard``. For tensor
+            parallelism, the data-parallel mesh (``mesh["dp"]``), the parameters being
+            DTensors on another dimension of its root (``mesh["tp"]``).
         reshard_after_forward: ``True``: when compiled, backward all-gathers again (the
             gather is recomputed, not saved); ``False``: the unsharded parameters are saved
             for backward. Eager (uncompiled) calls always save them.
@@ -106,42 +165,53 @@ def fully_shard_traced(
         ``module``, sharded in place.
 
     Raises:
-        NotImplementedError: a feature the traced mode does not have yet (a 2D mesh,
-            offloading, tensor-parallel DTensor parameters, 0-dim parameters, ...),
-            before any collective.
-        ValueError: ``module`` is sharded already (by either mode).
+        NotImplementedError: a feature the traced mode does not have yet (offloading,
+            0-dim parameters, ``shard_placement_fn``, ...), before any collective.
+        ValueError: ``module`` is sharded already (by either mode); a mesh of more than 2
+            dims, or a 2D one without ``mesh_dim_names``; a DTensor parameter on a mesh
+            that is no other dimension of ``mesh``'s root, or ``Partial``.
     """
     mesh = default_mesh() if mesh is None else mesh
     unsupported = {"shard_placement_fn": shard_placement_fn, "ignored_params": ignored_params}
     _check(module, mesh, reshard_after_forward, mp_policy, offload_policy, unsupported)
     owners = _owned(module)
+    tp_meshes: dict[int, DeviceMesh] = {}  # id(parameter) -> the concatenated (dp, tp) mesh
     for path, mod in owners:
         for name, p in mod._parameters.items():
             fqn = f"{path}.{name}" if path else name
-            if isinstance(p, DTensor):
-                raise NotImplementedError(
-                    f"fully_shard_traced: parameter {fqn!r} is a DTensor already (tensor "
-                    "parallel?): the traced mode shards plain parameters only yet"
-                )
+            value: torch.Tensor | None = p  # a Parameter, or one wrapping a DTensor (TP)
+            if isinstance(value, DTensor):
+                tp_meshes[id(p)] = _tp_mesh(value, mesh, fqn)
             if p is not None and p.dim() == 0:
                 raise NotImplementedError(
                     f"fully_shard_traced: parameter {fqn!r} is 0-dim; the traced mode "
                     "shards dim 0 only"
                 )
-    plan = _Plan(mesh, reshard_after_forward, mp_policy)
-    sharded: dict[int, nn.Parameter] = {}  # a tied parameter is sharded once
+    plan = _Plan(type(module).__name__, mesh, reshard_after_forward, mp_policy)
+    placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]  # as fully_shard
+    slots: dict[int, int] = {}  # a tied parameter is sharded once, and has one slot
     for _, mod in owners:
-        names = []
+        names: dict[str, int] = {}
         for name, p in list(mod._parameters.items()):
             if p is None:
                 continue
-            if id(p) not in sharded:
-                dt = distribute_tensor(p.detach(), mesh, [Shard(0)])
-                sharded[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
-            mod._parameters[name] = sharded[id(p)]
-            names.append(name)
+            if id(p) not in slots:
+                value = p
+                if isinstance(value, DTensor):
+                    dt, layout = _shard_tp(value, plan, tp_meshes[id(p)], mesh.ndim)
+                else:
+                    dt, layout = distribute_tensor(p.detach(), mesh, placements), _Layout(p.shape)
+                slots[id(p)] = len(plan.params)
+                plan.params.append(nn.Parameter(dt, requires_grad=p.requires_grad))
+                plan.layouts.append(layout)
+                plan.accs.append(None)
+            elif slots[id(p)] not in plan.tied:
+                plan.tied.append(slots[id(p)])
+            mod._parameters[name] = plan.params[slots[id(p)]]
+            names[name] = slots[id(p)]
         root = mod is module
         if names or root:
             object.__setattr__(mod, _PLAN, plan)
+            object.__setattr__(mod, _SLOTS, names)
             mod.__class__ = _traced_class(type(mod), tuple(names), root)
     return module
