@@ -55,6 +55,9 @@ PRIVATE: dict[str, list[str]] = {
     "fake tensors": ["tests/planning/test_estimate_memory.py"],
     # torch._compile._disable_dynamo: the hooks eager under torch.compile
     "compile": ["tests/integrations/test_compile.py"],
+    # the traced mode: torch.ops._c10d_functional in compiled graphs, selective-checkpoint
+    # policies, the min-cut partitioner's recompute tags
+    "traced mode": ["tests/integrations/test_traced.py::test_traced_parity"],
     # torch.distributed.checkpoint's state dicts and compute_local_shape_and_global_offset
     "checkpoints": [
         "tests/checkpoint/test_torch_state_dict.py",

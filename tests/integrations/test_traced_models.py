@@ -47,6 +47,7 @@ from test_traced import AG, RS, _Recorder
 from torch.distributed.tensor import DTensor
 
 import fsdp2
+from fsdp2._core.support.compat import TORCH_VERSION
 from fsdp2.models import MoE
 from fsdp2.traced import fully_shard_traced
 
@@ -232,7 +233,13 @@ def test_traced_model(name: str) -> None:
     res = run_on_ranks(2, _three_ways, name)[0]
     compiled, traced = res["compiled"], res["traced"]
     assert not compiled["breaks"], compiled["breaks"]
-    check_same_run(compiled, traced, f"{name}: compiled traced vs uncompiled traced")
+    what = f"{name}: compiled traced vs uncompiled traced"
+    if name == "hf_llama" and TORCH_VERSION < (2, 13):
+        # torch 2.11's aot_eager sums the embedding's backward in another order than eager
+        # autograd (1.8e-7 on the embedding; 2.13 and 2.14 run the same kernels: bitwise)
+        check_close_run(compiled, traced, what, tol={"rtol": 1e-6, "atol": 1e-6})
+    else:
+        check_same_run(compiled, traced, what)
     tol = {"rtol": 1e-4, "atol": 1e-4}
     check_close_run(traced, res["eager"], f"{name}: traced vs eager fsdp2", tol=tol,
                     param_tol={"rtol": 1e-3, "atol": 1e-3})  # fmt: skip
