@@ -130,6 +130,8 @@ def _rows(plan: _Plan, dim0: int) -> tuple[int, int]:
 def _all_gather(local: torch.Tensor, plan: _Plan, dim0: int) -> torch.Tensor:
     per_rank, held = _rows(plan, dim0)
     x = local if plan.param_dtype is None else local.to(plan.param_dtype)
+    if plan.world == 1:  # one shard rank: the local tensor is the whole parameter
+        return x.view_as(x) if x is local else x
     if held != per_rank:
         x = torch.cat([x, x.new_zeros((per_rank - held, *x.shape[1:]))])
     full: torch.Tensor = _FUNCTIONAL.all_gather_into_tensor(
@@ -149,10 +151,10 @@ def _reduce(g: torch.Tensor, plan: _Plan, dim0: int) -> torch.Tensor:
     pre, post = _divide(plan.world * plan.replicas, g.dtype)
     if pre != 1:
         g = g / pre
-    out: torch.Tensor = _FUNCTIONAL.reduce_scatter_tensor(
-        g.contiguous(), "sum", plan.world, plan.group_name
-    )
-    out = _FUNCTIONAL.wait_tensor(out)
+    out = g
+    if plan.world > 1:  # (one shard rank: nothing to scatter)
+        out = _FUNCTIONAL.reduce_scatter_tensor(g.contiguous(), "sum", plan.world, plan.group_name)
+        out = _FUNCTIONAL.wait_tensor(out)
     if plan.replicate_name is not None:
         out = _FUNCTIONAL.wait_tensor(_FUNCTIONAL.all_reduce(out, "sum", plan.replicate_name))
     if post != 1:

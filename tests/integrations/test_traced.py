@@ -22,6 +22,7 @@ collective), DCP save and load, activation checkpointing uncompiled, meta-device
 (bitwise eager's), and that a read outside forward is the sharded parameter.
 ``test_traced_inductor``: the default backend on a small MLP, within tolerance of the
 uncompiled traced mode. ``test_traced_checkpoint_compiled``: checkpointed blocks compiled.
+``test_traced_one_rank``: world size 1, no collective in the graphs, bitwise the unsharded model.
 """
 
 from __future__ import annotations
@@ -400,3 +401,24 @@ def test_traced_checkpoint_compiled() -> None:
     res = run_on_ranks(2, _checkpointed)[0]
     check_same_run(res["True"], res["False"], "compiled checkpointed vs uncompiled")
     assert res["breaks"] == 0, res["breaks"]
+
+
+def _one_rank() -> dict[str, Any]:
+    recorder = _Recorder(min_cut=True)
+    out = {
+        "replica": _train("replica", None),
+        "traced": _train("traced", None),
+        "compiled": _train("traced", recorder),
+    }
+    out["ops"] = recorder.ops
+    return out
+
+
+def test_traced_one_rank() -> None:
+    """One shard rank: the local shard is the whole parameter, so the graphs hold no
+    collective, and the traced mode trains as the unsharded model (bitwise, uncompiled)."""
+    res = run_on_ranks(1, _one_rank)[0]
+    assert res["ops"] == {"fw": [], "bw": []}, res["ops"]
+    check_same_run(res["compiled"], res["traced"], "compiled traced vs uncompiled traced")
+    check_same_run(res["traced"], res["replica"], "traced on one rank vs the unsharded model")
+    assert res["compiled"]["graphs"] == [1] * STEPS, res["compiled"]["graphs"]
