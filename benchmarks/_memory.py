@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 import torch
@@ -82,3 +83,35 @@ def peak_step_bytes(step: Callable[[], object], model: torch.nn.Module, optim) -
     with mode:
         step()
     return persistent_bytes(model, optim) + max(0, mode.peak - base)
+
+
+def peak_step_bytes_compiled(  # type: ignore[no-untyped-def]
+    step: Callable[[], object], model: torch.nn.Module, optim, names: Counter[str] | None = None
+) -> int:
+    """``peak_step_bytes`` for a step with ``torch.compile``d code in it (``names``, if
+    given, counts the names of the step's profiler events, e.g. ``gloo:all_gather``).
+
+    Under a dispatch mode dynamo skips compiled frames (they run eagerly, op by op), so
+    this counts tensor allocations instead, through ``torch.profiler``'s memory events:
+    c10's CPU allocator reports every allocation made while profiling (inductor's buffers
+    included, they come from ``empty_strided``) and every free of such a block; the peak
+    of their running sum is the step's peak over the persistent state. Frees of blocks
+    allocated before the step are not reported (none in a step that starts after
+    ``zero_grad(set_to_none=True)``), and memory not from c10's allocator (gloo's own
+    buffers, Python objects) is not counted.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    every = prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+    if names is not None:
+        names.update(e.name() for e in every)
+    events = [e for e in every if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return persistent_bytes(model, optim) + peak
