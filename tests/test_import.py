@@ -11,16 +11,39 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import fsdp2
 
 LAZY = ("checkpoint", "MemoryEstimate", "estimate_memory", "Timeline", "timeline")
 
 
-def test_import_loads_no_more_than_training_needs() -> None:
-    code = "import sys, fsdp2\nprint(' '.join(sorted(sys.modules)))\n"
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True
-    ).stdout.split()
+# One fresh process for both checks: it lists what ``import fsdp2`` loaded, then (as a script
+# that calls only estimate_memory) estimates.
+_FRESH = (
+    "import sys, fsdp2\n"
+    "print(' '.join(sorted(sys.modules)))\n"
+    "import torch, torch.nn as nn\n"
+    "with torch.device('meta'):\n"
+    "    m = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))\n"
+    "est = fsdp2.estimate_memory(m, torch.empty(4, 64, device='meta'), mesh_shape=2,\n"
+    "    device='cpu', shard=nn.Linear, step_fn=lambda m, b: m(b).sum())\n"
+    "assert est.world_size == 2 and est.peak_bytes > 0, est\n"
+    "print('ok', flush=True)\n"
+    "import gc; gc.freeze()  # exit without the last collections over torch's objects\n"
+)
+
+
+@pytest.fixture(scope="module")
+def fresh() -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", _FRESH], capture_output=True, text=True)
+
+
+def test_import_loads_no_more_than_training_needs(
+    fresh: subprocess.CompletedProcess[str],
+) -> None:
+    out = fresh.stdout.splitlines()[0].split() if fresh.stdout else []
+    assert out, fresh.stderr[-2000:]
     for heavy in (
         "torch._dynamo",
         "torch._inductor",
@@ -51,18 +74,9 @@ def test_lazy_names_resolve() -> None:
         raise AssertionError("fsdp2.no_such_name did not raise AttributeError")
 
 
-def test_estimate_memory_in_a_fresh_process() -> None:
+def test_estimate_memory_in_a_fresh_process(fresh: subprocess.CompletedProcess[str]) -> None:
     # Regression: torch's "fake" process-group backend is registered by an import that
     # torch._dynamo used to make for us; once `import fsdp2` stopped importing dynamo, a
     # script calling only estimate_memory failed with "Unknown c10d backend type FAKE".
-    code = (
-        "import sys, torch, torch.nn as nn, fsdp2\n"
-        "with torch.device('meta'):\n"
-        "    m = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))\n"
-        "est = fsdp2.estimate_memory(m, torch.empty(4, 64, device='meta'), mesh_shape=2,\n"
-        "    device='cpu', shard=nn.Linear, step_fn=lambda m, b: m(b).sum())\n"
-        "assert est.world_size == 2 and est.peak_bytes > 0, est\n"
-        "print('ok')\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    lines = fresh.stdout.splitlines()
+    assert fresh.returncode == 0 and lines[1:] == ["ok"], fresh.stderr[-2000:]

@@ -16,6 +16,7 @@ transformers' activation checkpointing, torch's ``checkpoint_wrapper`` and none.
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import re
 import shlex
@@ -26,7 +27,8 @@ import pytest
 
 pytest.importorskip("transformers", reason="transformers is a test extra")
 pytest.importorskip("accelerate", reason="accelerate is a test extra")
-pytest.importorskip("peft", reason="peft is a test extra")
+if importlib.util.find_spec("peft") is None:  # (importing it here costs the collection ~1 s)
+    pytest.skip("peft is a test extra", allow_module_level=True)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(ROOT, "docs", "recipes.md")

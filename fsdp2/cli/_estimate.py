@@ -24,6 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from fsdp2.cli._checkpoint import InputError as _InputError
+from fsdp2.cli._plot import check as check_plot
 from fsdp2.cli._plot import plot
 
 __all__ = ["OWN_MODELS", "cmd_estimate"]
@@ -447,6 +448,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         )
     if args.shard_over_replicas and args.optimizer == "muon":  # (Muon updates whole matrices)
         raise _InputError("--shard-over-replicas steps pieces of shards: adamw, adam or sgd")
+    if args.plot:
+        check_plot(args.plot)
     config = _config(args.config)
     over = args.shard_over_replicas  # a sweep shows each HSDP mesh without it and with it
     runs = [(s, p) for s in shapes for p in ((False, True) if over and args.sweep else (over,))]

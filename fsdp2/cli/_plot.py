@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from fsdp2.cli._checkpoint import InputError as _InputError
@@ -14,6 +15,20 @@ _BARS = {
     "activations": ("activations",),
     "buffers": ("communication buffers", "other"),
 }
+
+
+def check(path: str) -> None:
+    """Refuse ``--plot path`` before any simulation (a sweep of a large model takes minutes):
+    matplotlib missing, or no folder to write the PNG into."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        raise _InputError(f"--plot needs matplotlib (pip install matplotlib): {e}") from e
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise _InputError(f"--plot {path}: cannot write it: no folder {folder}")
+    if not os.access(folder, os.W_OK):
+        raise _InputError(f"--plot {path}: cannot write it: {folder} is not writable")
 
 
 def plot(path: str, title: str, results: list[Any], budget: int | None) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 
 def over_replicas(
@@ -41,7 +42,10 @@ def held(
     these parameters alone (``MemoryEstimate.held_on_host``)."""
 
     def local(t: torch.Tensor) -> int:
-        t = t.to_local() if hasattr(t, "to_local") else t
+        if isinstance(t, DTensor):  # (PieceGrad too) its local tensor, read without an op
+            t = t._local_tensor
+        elif hasattr(t, "to_local"):
+            t = t.to_local()
         return t.numel() * t.element_size()
 
     keep = None if only is None else {id(p) for p in only}

@@ -261,8 +261,9 @@ def _simulate(
             tracker.phase = "optimizer"
             tracker.where = "optimizer step"
             opt.step()
-            held = _held.held(model, opt)
-            held_on_host = _held.held(model, opt, rests_on_host(model))
+            if i == steps - 1:  # (the measured step's)
+                held = _held.held(model, opt)
+                held_on_host = _held.held(model, opt, rests_on_host(model))
             opt.zero_grad(set_to_none=True)
             tracker.check_peak()
     shape = tuple(mesh.shape)

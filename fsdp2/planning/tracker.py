@@ -47,6 +47,11 @@ PARTS = (
 # ``ceil(rows / world)`` rows, the last ranks get fewer or none).
 
 
+# Whether a storage is dead, by its StorageWeakRef's cdata (``StorageWeakRef.expired``
+# without the method call: sweeps ask it of every entry).
+_expired = torch.UntypedStorage._expired
+
+
 class _Entry:
     __slots__ = ("nbytes", "part", "ref")
 
@@ -89,7 +94,7 @@ class Tracker(TorchDispatchMode, Observer):
 
     def sweep(self) -> None:
         for table in (self.entries, self.host):
-            dead = [k for k, e in table.items() if e.ref.expired()]
+            dead = [k for k in table if _expired(k)]  # (a key is its entry's ref.cdata)
             for k in dead:
                 self._add(table, -table[k].nbytes)
                 del table[k]
@@ -151,17 +156,16 @@ class Tracker(TorchDispatchMode, Observer):
                     self.track(getattr(t, name), part, move=move)
             return
         storage = t.untyped_storage()
-        ref = StorageWeakRef(storage)
-        key = ref.cdata
+        key = storage._cdata  # its StorageWeakRef's cdata; the ref is made only for a new entry
         table = self.entries if t.device.type == self.device_type else self.host
         e = table.get(key)
-        if e is not None and e.ref.expired():  # a dead storage's address, reused
+        if e is not None and _expired(key):  # a dead storage's address, reused
             self._add(table, -e.nbytes)
             del table[key]
             e = None
         if e is None:
             nbytes = storage.nbytes()
-            table[key] = _Entry(ref, nbytes, part or self.part_now())
+            table[key] = _Entry(StorageWeakRef(storage), nbytes, part or self.part_now())
             self._add(table, nbytes)
         elif move and part is not None:
             e.part = part
@@ -223,9 +227,12 @@ class Tracker(TorchDispatchMode, Observer):
     # -- every operator
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.track(t)
+        if isinstance(out, torch.Tensor):  # most operators: one tensor, no pytree walk
+            self.track(out)
+        elif out is not None and type(out) is not torch.device:  # (prim.device: half of all)
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.track(t)
         self.check_peak()
         return out
 

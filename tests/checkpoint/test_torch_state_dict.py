@@ -358,16 +358,26 @@ def _dcp_load(root: str, model_name: str, layout: str, expected: dict[str, Any])
                 )
 
 
+# (model, save layout) -> (checkpoint folder, what rank 0 returned): a save two cases load
+# (FSDP(4) -> FSDP(2) and -> HSDP(2x2)) runs once; loading only reads the folder.
+_SAVED: dict[tuple[str, str], tuple[str, Any]] = {}
+
+
 @pytest.mark.parametrize(
     "save_layout, load_layout",
     [("fsdp4", "fsdp2"), ("fsdp2", "fsdp4"), ("fsdp4", "hsdp2x2")],
     ids=["fsdp4-to-fsdp2", "fsdp2-to-fsdp4", "fsdp4-to-hsdp2x2"],
 )
 @pytest.mark.parametrize("model_name", MODEL_NAMES)
-def test_dcp_reshard_on_load(model_name: str, save_layout: str, load_layout: str, tmp_path) -> None:
-    root = str(tmp_path)
-    results = run_on_ranks(LAYOUTS[save_layout][0], _dcp_save, root, model_name, save_layout)
-    run_on_ranks(LAYOUTS[load_layout][0], _dcp_load, root, model_name, load_layout, results[0])
+def test_dcp_reshard_on_load(
+    model_name: str, save_layout: str, load_layout: str, tmp_path_factory
+) -> None:
+    if (model_name, save_layout) not in _SAVED:
+        root = str(tmp_path_factory.mktemp("dcp"))
+        results = run_on_ranks(LAYOUTS[save_layout][0], _dcp_save, root, model_name, save_layout)
+        _SAVED[(model_name, save_layout)] = (root, results[0])
+    root, saved = _SAVED[(model_name, save_layout)]
+    run_on_ranks(LAYOUTS[load_layout][0], _dcp_load, root, model_name, load_layout, saved)
 
 
 # ---------------------------------------------------------------------------------------------

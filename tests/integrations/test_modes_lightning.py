@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -61,7 +62,8 @@ from modes_common import MAX_NORM, STEPS, M, as_float, check_same, mine, plain, 
 
 from fsdp2.integrations import using_fsdp2
 
-pytest.importorskip("lightning", reason="lightning is a test extra: pip install -e '.[test]'")
+if importlib.util.find_spec("lightning") is None:  # (importing it here costs the collection ~1 s)
+    pytest.skip("lightning is a test extra: pip install -e '.[test]'", allow_module_level=True)
 pytest.importorskip("transformers", reason="transformers is a test extra")
 
 MODES = {

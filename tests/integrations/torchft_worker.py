@@ -10,6 +10,7 @@ Environment (as ``torchrun`` sets it inside a group): ``RANK``, ``WORLD_SIZE``,
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -225,3 +226,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Exit without the interpreter's last collections over everything torch, torchft and the
+    # model left (measured: a job's exit, 4 processes on 2 cores, 2.6 s -> 0.6 s). The output
+    # is flushed and the groups destroyed; atexit handlers (fsdp2's exit drain) still run.
+    gc.freeze()
