@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp2._core.front.sharding import FSDPModule
-from fsdp2._core.support.mesh import default_mesh
+from fsdp2._core.support.mesh import default_mesh, dp_tp_mesh, mesh_info
 from fsdp2.api import MixedPrecisionPolicy, OffloadPolicy
 from fsdp2.traced._gather import _Layout, _Plan, _rows
 from fsdp2.traced._module import _PLAN, _SLOTS, TracedModule, _traced_class
@@ -51,18 +51,10 @@ def _check(
                 f"{where}: {what} is sharded by fsdp2.fully_shard already; the two modes do "
                 "not mix in one model: shard every module with one of them"
             )
-    if mesh.ndim not in (1, 2):
-        raise ValueError(
-            f"{where}: expects a 1D mesh (FSDP) or a 2D mesh (HSDP: replicate x shard), got "
-            f"a {mesh.ndim}D mesh of shape {tuple(mesh.shape)}; for TP slice the "
-            "data-parallel dims first, e.g. mesh['dp'] or mesh['replicate', 'shard']"
-        )
-    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
-        raise ValueError(
-            f"{where}: a 2D mesh of shape {tuple(mesh.shape)} without mesh_dim_names; a 2D "
-            "mesh means HSDP (dim 0 replicates, dim 1 shards), as with fully_shard: "
-            "init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))"
-        )
+    try:  # fully_shard's mesh rules: 1D FSDP, or 2D HSDP with mesh_dim_names
+        mesh_info(mesh)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{where}: {e}") from None
     if not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(
             f"{where}: reshard_after_forward must be True or False in the traced mode, "
@@ -77,23 +69,12 @@ def _check(
             raise NotImplementedError(f"{where}: {name} is not supported in the traced mode yet")
 
 
-def _tp_mesh(p: DTensor, mesh: DeviceMesh, fqn: str) -> DeviceMesh:
-    """The (dp..., tp...) mesh a tensor-parallel parameter is sharded on, as with
-    ``fully_shard``; a ``ValueError`` naming it if its mesh is no other dimension of
-    ``mesh``'s root or it is ``Partial``. See [Note: traced tensor parallel]."""
+def _traced_tp_mesh(p: DTensor, mesh: DeviceMesh, fqn: str) -> DeviceMesh:
+    """``fully_shard``'s rule for a TP parameter's mesh. See [Note: traced tensor parallel]."""
     try:
-        cat = DeviceMesh._concatenate([mesh, p.device_mesh])
-    except Exception as e:  # noqa: BLE001 - any failure means the meshes do not compose
-        raise ValueError(
-            f"fully_shard_traced: parameter {fqn!r} is a DTensor on mesh {p.device_mesh}, "
-            f"which is not another dimension of the data-parallel mesh {mesh} (both must be "
-            "slices of one root mesh, e.g. mesh['dp'] and mesh['tp'])"
-        ) from e
-    if any(pl.is_partial() for pl in p.placements):
-        raise ValueError(
-            f"fully_shard_traced: parameter {fqn!r} has Partial placements {p.placements}"
-        )
-    return cat
+        return dp_tp_mesh(mesh, p, fqn)
+    except ValueError as e:
+        raise ValueError(f"fully_shard_traced: {e}") from e.__cause__
 
 
 def _shard_tp(p: DTensor, plan: _Plan, cat: DeviceMesh, dp_ndim: int) -> tuple[DTensor, _Layout]:
@@ -181,7 +162,7 @@ def fully_shard_traced(
             fqn = f"{path}.{name}" if path else name
             value: torch.Tensor | None = p  # a Parameter, or one wrapping a DTensor (TP)
             if isinstance(value, DTensor):
-                tp_meshes[id(p)] = _tp_mesh(value, mesh, fqn)
+                tp_meshes[id(p)] = _traced_tp_mesh(value, mesh, fqn)
             if p is not None and p.dim() == 0:
                 raise NotImplementedError(
                     f"fully_shard_traced: parameter {fqn!r} is 0-dim; the traced mode "

@@ -23,7 +23,6 @@ import math
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -32,7 +31,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from fsdp2._core.params.extension import Extension, extension_of
 from fsdp2._core.params.storage import contiguous_stride as _contiguous_stride
 from fsdp2._core.support.compat import GRAD_DTYPE
-from fsdp2._core.support.mesh import MeshInfo, SPMDMesh, mesh_cache
+from fsdp2._core.support.mesh import MeshInfo, SPMDMesh, dp_tp_mesh, mesh_cache
 
 
 def chunk_rows(dim_size: int, world_size: int, rank: int) -> tuple[int, int, int]:
@@ -374,19 +373,8 @@ class TPLayout:
     def of(cls, param: DTensor, info: MeshInfo, fqn: str) -> TPLayout:
         if info.spmd is not None:
             return cls._of_spmd(param, info.spmd, fqn)
-        tp_mesh = param.device_mesh
-        try:  # the mesh's rank tensor is real: read it outside a fake mode (estimate_memory)
-            with unset_fake_temporarily():
-                DeviceMesh._concatenate([info.mesh, tp_mesh])
-        except Exception as e:  # noqa: BLE001 - any failure means the meshes do not compose
-            raise ValueError(
-                f"parameter {fqn} is a DTensor on mesh {tp_mesh}, which is not another "
-                f"dimension of the data-parallel mesh {info.mesh} (both must be slices of "
-                "one root mesh, e.g. mesh['dp'] and mesh['tp'])"
-            ) from e
-        if any(p.is_partial() for p in param.placements):
-            raise ValueError(f"parameter {fqn} has Partial placements {param.placements}")
-        return cls(tp_mesh, tuple(param.placements))
+        dp_tp_mesh(info.mesh, param, fqn)  # composes, not Partial (else ValueError)
+        return cls(param.device_mesh, tuple(param.placements))
 
     @classmethod
     def _of_spmd(cls, param: DTensor, spmd: SPMDMesh, fqn: str) -> TPLayout:

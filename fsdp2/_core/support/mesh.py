@@ -72,6 +72,25 @@ def comm_device_type() -> str:
     return acc.type if acc is not None and dist.get_backend() != "gloo" else "cpu"
 
 
+def dp_tp_mesh(dp_mesh: DeviceMesh, param: Any, fqn: str) -> DeviceMesh:
+    """The (dp..., tp...) mesh a tensor-parallel DTensor ``param`` is sharded on; a
+    ``ValueError`` naming it if its mesh is no other dimension of ``dp_mesh``'s root or it
+    is ``Partial``. Reads the meshes' real rank tensors (also under estimate_memory's fake mode)."""
+    tp_mesh = param.device_mesh
+    try:
+        with unset_fake_temporarily():
+            cat = DeviceMesh._concatenate([dp_mesh, tp_mesh])
+    except Exception as e:  # noqa: BLE001 - any failure means the meshes do not compose
+        raise ValueError(
+            f"parameter {fqn} is a DTensor on mesh {tp_mesh}, which is not another "
+            f"dimension of the data-parallel mesh {dp_mesh} (both must be slices of "
+            "one root mesh, e.g. mesh['dp'] and mesh['tp'])"
+        ) from e
+    if any(p.is_partial() for p in param.placements):
+        raise ValueError(f"parameter {fqn} has Partial placements {param.placements}")
+    return cat
+
+
 def mesh_info(mesh: DeviceMesh) -> MeshInfo:
     """Validate ``mesh`` and describe it; 1D is FSDP, 2D is HSDP (replicate, shard)."""
     if not isinstance(mesh, DeviceMesh):
