@@ -50,12 +50,14 @@ SHAPES: dict[str, dict[str, tuple[LlamaConfig, int, int]]] = {
         "memory": (_llama(32000, 2048, 18, 16, 2048), 2, 2048),
         "offload": (_llama(32000, 2048, 4, 16, 2048), 2, 2048),
         "sync": (_llama(32000, 2048, 8, 16, 2048), 0, 0),
+        "traced": (_llama(32000, 2048, 4, 16, 2048), 4, 2048),
     },
     "small": {
         "step": (_llama(512, 64, 2, 4, 64), 2, 64),
         "memory": (_llama(512, 64, 3, 4, 64), 2, 64),
         "offload": (_llama(512, 64, 2, 4, 64), 2, 64),
         "sync": (_llama(512, 64, 2, 4, 64), 0, 0),
+        "traced": (_llama(512, 64, 2, 4, 64), 2, 64),
     },
 }
 

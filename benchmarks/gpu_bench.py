@@ -1,6 +1,6 @@
 """The GPU numbers of ``make gpu-check``: fsdp2 against torch's FSDP2 and the unsharded model.
 
-Four parts, each printed as a table and written as JSON (``--json``):
+Six parts, each printed as a table and written as JSON (``--json``):
 
 * ``step``: world size 1 (NCCL), a Llama (8 layers, dim 2048, vocabulary 32000, 4 x 2048
   tokens), bf16 mixed precision (``param_dtype=bf16, reduce_dtype=fp32``; the unsharded model
@@ -29,6 +29,12 @@ Four parts, each printed as a table and written as JSON (``--json``):
   default against ``fsdp2.reduction.set_deterministic`` (fp32 trees of partial sums), both
   with the loss divided by 4, interleaved. Target: at most 1.10x (at world size 1 this is
   the cost of the trees; the exchange needs more GPUs).
+* ``traced``: fsdp2's traced mode (``fsdp2.traced.fully_shard_traced``, compiled whole with
+  ``fullgraph=True``) at world size 1, a 4-layer Llama, against the unsharded model compiled
+  whole, eager fsdp2 and torch's FSDP2 with their blocks compiled (interleaved; compile time,
+  recompiles), and its memory on rank 0 of 8 through the fake process group against eager
+  fsdp2's. Targets and checks: ``benchmarks/_gpu_traced.py``. A part whose ``checks`` (no
+  recompile after step 1, losses agreeing) fail exits 1 after writing its JSON.
 
 ``--device cpu`` runs the same code on a tiny model with gloo (what CI checks: the harness,
 not the numbers); memory there is the live tensor bytes of ``benchmarks/_memory.py``.
@@ -66,11 +72,12 @@ from _gpu_harness import (  # noqa: E402
     shard,
     spread,
 )
+from _gpu_traced import part_traced, traced_memory_one, traced_table  # noqa: E402
 
 import fsdp2  # noqa: E402
 from fsdp2.models import Llama  # noqa: E402
 
-PARTS = ("step", "memory", "offload", "sync", "deterministic")
+PARTS = ("step", "memory", "offload", "sync", "deterministic", "traced")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,6 +339,8 @@ def table(result: dict[str, Any]) -> str:
         lines += ["| impl | peak MiB | resident MiB |", "| --- | ---: | ---: |"]
         for k, v in impls.items():
             lines.append(f"| {k} | {v['peak_mib']:.0f} | {v['resident_mib']:.0f} |")
+    elif result["part"] == "traced":
+        lines += traced_table(result)
     else:
         sync = result["part"] == "sync"  # no loss: a weight sync is not a step
         head = "| impl | step s (median) | min | max | step peak above resident MiB |"
@@ -359,13 +368,17 @@ def table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=(*PARTS, "memory-one"), required=True)
+    ap.add_argument("--part", choices=(*PARTS, "memory-one", "traced-memory-one"), required=True)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--size", choices=tuple(SHAPES), default=None, help="default: by device")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default by part)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--world", type=int, default=8, help="memory: the simulated world size")
-    ap.add_argument("--engine", default="fsdp2", help="memory-one: fsdp2 or torch_fsdp2")
+    ap.add_argument(
+        "--engine",
+        default="fsdp2",
+        help="memory-one: fsdp2 or torch_fsdp2; traced-memory-one: traced or fsdp2_blocks",
+    )
     ap.add_argument("--json", default=None, help="write the result here")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -375,6 +388,9 @@ def main(argv: list[str] | None = None) -> None:
         engine = "torch" if args.engine == "torch_fsdp2" else "fsdp2"
         print(json.dumps(_memory_one(args.device, size, engine, args.world)))
         return
+    if args.part == "traced-memory-one":
+        print(json.dumps(traced_memory_one(args.device, size, args.engine, args.world)))
+        return
     if args.part == "step":
         result = part_step(args.device, size, args.steps or 20, args.warmup)
     elif args.part == "memory":
@@ -383,6 +399,9 @@ def main(argv: list[str] | None = None) -> None:
         result = part_sync(args.device, size, args.steps or 5, args.world)
     elif args.part == "deterministic":
         result = part_deterministic(args.device, size, args.steps or 10, args.warmup)
+    elif args.part == "traced":
+        steps = args.steps or (10 if args.device == "cuda" else 3)
+        result = part_traced(args.device, size, steps, min(args.warmup, 2))
     else:
         result = part_offload(args.device, size, args.steps or 6, min(args.warmup, 2))
     result.update(device=args.device, size=size, torch=torch.__version__)
@@ -391,6 +410,9 @@ def main(argv: list[str] | None = None) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+    failed = [c for c in result.get("checks", []) if not c["ok"]]
+    if failed:
+        sys.exit("checks failed: " + "; ".join(f"{c['check']} ({c['value']})" for c in failed))
 
 
 if __name__ == "__main__":

@@ -11,14 +11,20 @@ installed: the repository root goes on ``PYTHONPATH``), this runs
 2. the numbers of ``benchmarks/gpu_bench.py``: ``step`` (world size 1 against the unsharded
    model and torch's FSDP2), ``memory`` (rank 0 of 8 through the fake process group, ~1B
    parameters), ``offload`` (``CPUOffloadPolicy``), ``sync`` (RL weight sync: the per-tensor
-   loop against ``iter_full_tensors``, rank 0 of 8 through the fake process group) and
+   loop against ``iter_full_tensors``, rank 0 of 8 through the fake process group),
    ``deterministic`` (``fsdp2.reduction.set_deterministic`` against the default, 4
-   micro-batches);
+   micro-batches) and ``traced`` (fsdp2's traced mode compiled whole at world size 1 against
+   the unsharded model compiled whole and both FSDP2s with their blocks compiled: step,
+   compile time, recompiles; and its memory on rank 0 of 8 through the fake process group;
+   ``benchmarks/_gpu_traced.py``);
 
 and writes ``<out>/gpu-check.md``: versions, GPU, the command, each test's outcome (failures
 with their message), the benchmark tables and, at the end, all of it as JSON. The file is
 rewritten after each stage, so a run cut short still leaves what it measured. Every stage has
-a time limit inside ``--budget`` (default 560 s: the device tool allows 600 s a command).
+a time limit inside ``--budget`` (default 560 s: the device tool allows 600 s a command): the
+tests get what the benchmark parts' reserves (``RESERVE_S``) leave, and each part a share of
+what is left when it starts, in proportion to its reserve. A part fails when its process
+fails or, for ``traced``, when one of its checks does not hold (its table says which).
 
 ``--device cpu`` runs the same stages on the CPU (gloo, tiny models): CI runs it, so the
 harness is tested where there is no GPU; only the CUDA-only tests skip, with their reason.
@@ -47,6 +53,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
 PACKAGES = ("torch", "safetensors", "hypothesis", "pytest", "torchao", "transformers", "peft")
 RESULTS = "gpu-check.md"
+PARTS = "step,memory,offload,sync,deterministic,traced"
+# Seconds a benchmark part is given before the tests take the rest (with all six parts the
+# tests get 210 s, as they had before ``traced``): on an H200 the tests (repeats 2) and the
+# first five parts took 211 s together (docs/benchmarks.md, "GPU"); ``traced`` compiles two
+# whole models and two blocks with inductor, then one of each again (about 3 minutes,
+# estimated: benchmarks/_gpu_traced.py). The last part gets all that is left.
+RESERVE_S = {"traced": 150.0}
+RESERVE_DEFAULT_S = 40.0
+
+
+def reserve(part: str) -> float:
+    """The seconds ``part`` is given before the tests take the rest (``RESERVE_S``)."""
+    return RESERVE_S.get(part, RESERVE_DEFAULT_S)
 
 
 def gpu_test_files() -> list[str]:
@@ -273,9 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=560.0, help="seconds for everything")
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--skip-bench", action="store_true")
-    ap.add_argument(
-        "--parts", default="step,memory,offload,sync,deterministic", help="benchmark parts to run"
-    )
+    ap.add_argument("--parts", default=PARTS, help=f"benchmark parts to run (default {PARTS})")
     args = ap.parse_args(argv)
     import torch
 
@@ -304,8 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     parts = [] if args.skip_bench else [p for p in args.parts.split(",") if p]
     ok = True
     if not args.skip_tests:
-        # The tests get what the benchmarks will not need (about a minute each on a GPU).
-        left = args.budget - (time.monotonic() - start) - 70 * len(parts)
+        # The tests get what the benchmarks will not need (RESERVE_S).
+        left = args.budget - (time.monotonic() - start) - sum(map(reserve, parts))
         report["tests"] = run_tests(device, repeats, args.out, max(left, 60))
         ok &= report["tests"]["ok"]
         save()
@@ -314,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     report["benchmarks"] = {}
     for i, part in enumerate(parts):
         left = args.budget - (time.monotonic() - start)
-        report["benchmarks"][part] = run_bench(device, part, args.out, left / (len(parts) - i))
+        share = left * reserve(part) / sum(map(reserve, parts[i:]))
+        report["benchmarks"][part] = run_bench(device, part, args.out, share)
         ok &= report["benchmarks"][part]["ok"]
         save()
         print(f"benchmark {part}: ok={report['benchmarks'][part]['ok']}", flush=True)

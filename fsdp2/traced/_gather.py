@@ -12,8 +12,9 @@ DTensor. The gather is ``_Unshard``: forward casts the local shard to ``param_dt
 all-gathers it over the mesh's shard dim (padded to torch.chunk's equal rows, then narrowed);
 backward casts the gradient to ``reduce_dtype``, reduce-scatters it over the shard dim and,
 on a 2D (HSDP) mesh, all-reduces it over the replicate dim (a sum divided by the
-data-parallel size: eager fsdp2's average on gloo) and casts it to the parameter's dtype;
-the DTensor's ``to_local`` turns that into a gradient DTensor of the parameter's placements.
+data-parallel size: eager fsdp2's average on gloo) and casts it to the parameter's dtype:
+the gradient of the local shard, which becomes the parameter's gradient DTensor ([Note:
+traced leaves]).
 ``reshard_after_forward=True`` runs the gather under ``torch.utils.checkpoint`` with a policy
 that recomputes the collectives when compiled, so backward all-gathers again instead of
 saving the unsharded parameter (SimpleFSDP's way, arXiv 2411.00284).
@@ -49,20 +50,50 @@ of the unsharded shape per parameter (``_Plan.accs``, made at the first
 ``set_requires_gradient_sync(False)``: zero stride, no memory), so autograd's own
 ``AccumulateGrad`` sums the micro-batches in ``sink.grad``, outside the graph and with no
 collective. A synced read passes ``sink.grad`` (when set) into ``_Unshard``, whose backward
-adds it to the gradient before reducing. The sharded parameter's post-accumulate-grad hook
-(registered with the sink) drops ``sink.grad`` once the synced gradient landed; so does
-``TracedModule.zero_grad``. The hook goes by the mode, not by whether a gradient came:
-compiled, autograd runs it for every parameter input of the graph, a no-sync backward's
-too (whose parameters get no gradient). It also refuses a mode changed between a forward
-and its backward (``_Plan.forward_sync``), as the no-sync backward does uncompiled. Under
+adds it to the gradient before reducing. The leaf's post-accumulate-grad hook (``_Landed``,
+[Note: traced leaves]) drops ``sink.grad`` once the synced gradient landed; so does
+``TracedModule.zero_grad``. A mode changed between a forward and its backward is refused
+(``_Plan.forward_sync``) by the first hook that runs: a leaf's (a synced graph) or a sink's
+(``_Summed``, a no-sync graph). Under
 ``torch.compile`` the mode and whether a sum is pending are read in the forward, so dynamo
 guards on them: a no-sync graph, a synced graph adding the sums and a plain synced graph,
 each compiled once, at its first use.
+
+[Note: traced leaves]
+The graphs' inputs are the parameters' local shards, plain tensors, not the sharded
+DTensors: ``_Plan.locals[slot]`` is the DTensor parameter's ``_local_tensor`` itself (its
+storage: the optimizer's in-place updates and ``load_state_dict``'s copies are what the graph
+reads), made a leaf that requires grad; the read (``_unshard``) never touches the DTensor.
+A DTensor input costs per step, compiled: dynamo's guard on its spec (a Python check per
+parameter) and AOTAutograd's unwrapping of it and wrapping of its gradient
+(``__tensor_unflatten__``): at 128 parameters, 4 of the 7 ms of the overhead benchmark's
+step (benchmarks/overhead.py --traced). It also kept the ``DeviceMesh`` among the values
+saved for backward, which torch 2.13's RNG functionalization misplaces when a checkpointed
+region recomputes a random op (docs/compile.md). The leaf's gradient (the reduce-scatter's
+output) lands by ``AccumulateGrad`` on ``local.grad``; the leaf's post-accumulate-grad hook
+(``_Landed``) moves it to the parameter: a DTensor of the parameter's spec, or added to the
+gradient there; then it runs the parameter's own post-accumulate-grad hooks (as torch's
+FSDP2 runs them when a gradient lands) and drops a spent no-sync sum.
+
+Keeping the leaves right (``arm``): a parameter replaced through its module (``setattr``,
+``load_state_dict(assign=True)``: the owner class's ``register_parameter``) or whose local
+tensor was replaced (``to``, ``to_empty``, ``float``: ``_apply`` swaps the DTensor's
+contents) is re-armed; a tied parameter replaced through one of its modules is replaced in
+all of them (it stays tied); a DTensor of other placements is refused. A replacement the
+module does not see (``module._parameters[name] = ...``) cannot reach the compiled graph,
+which guards on the leaves' metadata, not on the parameters: the hook finds that the
+parameter it would give the gradient to is no longer its module's, and raises. Frozen
+parameters: the graph reads ``requires_grad`` from the leaf, so a parameter frozen after a
+graph was made still gets a gradient computed in it, once: the hook drops it (no ``.grad``,
+as eager) and sets ``_Plan.watch[slot]``; from then on the read looks at the DTensor's
+``requires_grad`` (dynamo guards on it: unfreezing recompiles; while frozen the leaf is read
+detached). Parameters frozen at sharding are watched from the start. A watched parameter
+costs its DTensor's guard; the others cost none.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.nn as nn
@@ -101,9 +132,13 @@ class _Plan:
         self.cache: dict[int, torch.Tensor] | None = None  # slot -> gathered, in that forward
         self.sync = True  # set_requires_gradient_sync; see [Note: traced accumulation]
         self.forward_sync = True  # ``sync`` when the call root's last forward began
-        self.params: list[nn.Parameter] = []  # the sharded parameters, by slot
+        self.params: list[DTensor] = []  # the sharded parameters (DTensor Parameters), by slot
+        self.locals: list[torch.Tensor] = []  # their local shards, the leaves the graph reads
+        self.watch: list[bool] = []  # read the parameter's requires_grad (frozen once), by slot
         self.layouts: list[_Layout] = []  # what each one gathers into, by slot
         self.tied: list[int] = []  # slots of parameters registered on several modules
+        self.homes: list[list[tuple[nn.Module, str]]] = []  # (module, name) of each, by slot
+        self.fqns: list[str] = []  # each parameter's name in the call root, for messages
         self.accs: list[torch.Tensor | None] = []  # the no-sync sums' sinks, by slot
 
 
@@ -194,13 +229,11 @@ class _UnshardNoSync(torch.autograd.Function):
     def forward(
         ctx: Any, local: torch.Tensor, acc: torch.Tensor, plan: _Plan, dim0: int
     ) -> torch.Tensor:
-        ctx.plan, ctx.acc_dtype = plan, acc.dtype
+        ctx.acc_dtype = acc.dtype
         return _all_gather(local, plan, dim0)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None, None]:
-        if not torch.compiler.is_compiling():  # compiled, the parameters' hooks check it
-            _check_mode(ctx.plan)
         return None, grad.to(ctx.acc_dtype), None, None
 
 
@@ -226,8 +259,10 @@ def _recompute_collectives() -> Any:
     return create_selective_checkpoint_contexts(policy)
 
 
-def _unshard(param: torch.Tensor, plan: _Plan, slot: int) -> torch.Tensor:
-    local = param.to_local() if isinstance(param, DTensor) else param
+def _unshard(plan: _Plan, slot: int) -> torch.Tensor:
+    local = plan.locals[slot]  # compiled: a plain tensor input, see [Note: traced leaves]
+    if plan.watch[slot] and not plan.params[slot].requires_grad:
+        local = local.detach()
     layout = plan.layouts[slot]
     acc = plan.accs[slot]
     fn: Any
@@ -252,19 +287,58 @@ def _unshard(param: torch.Tensor, plan: _Plan, slot: int) -> torch.Tensor:
     return DTensor.from_local(out, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
-def gather(param: torch.Tensor, plan: _Plan, slot: int) -> torch.Tensor:
+def gather(plan: _Plan, slot: int) -> torch.Tensor:
     """The unsharded value of ``plan``'s parameter ``slot`` for this read: a tied parameter's
     gather of this forward of the call root, else a gather of its own."""
     cache = plan.cache
     if cache is not None and slot in cache:
         return cache[slot]
-    return _unshard(param, plan, slot)
+    return _unshard(plan, slot)
 
 
 def gather_tied(plan: _Plan) -> dict[int, torch.Tensor]:
     """The call root's forward begins: gather each tied parameter once for all its reads.
     See [Note: traced gathers]."""
-    return {slot: _unshard(plan.params[slot], plan, slot) for slot in plan.tied}
+    return {slot: _unshard(plan, slot) for slot in plan.tied}
+
+
+def arm(plan: _Plan, slot: int, param: torch.Tensor) -> None:
+    """Make ``param`` (a sharded DTensor) slot ``slot``'s parameter and its local shard the
+    leaf the graph reads, with the hook that hands the leaf's gradient to ``param``. At
+    sharding, and again wherever the parameter or its local tensor is replaced
+    (``load_state_dict(assign=True)``, ``to_empty``, ``module.to``). See [Note: traced leaves]."""
+    if slot < len(plan.params):
+        old = plan.params[slot]
+        if not isinstance(param, DTensor) or (param.device_mesh, param.placements) != (
+            old.device_mesh,
+            old.placements,
+        ):
+            what = type(param).__name__
+            if isinstance(param, DTensor):
+                what = f"DTensor {param.placements} on {param.device_mesh}"
+            raise ValueError(
+                f"fully_shard_traced({plan.name}): parameter {plan.fqns[slot]!r} was replaced "
+                f"by a {what}; assign a DTensor of its mesh and placements ({old.placements} "
+                f"on {old.device_mesh}), as state_dict() gives"
+            )
+    assert isinstance(param, DTensor)
+    if slot == len(plan.params):
+        plan.params.append(param)
+        plan.locals.append(param._local_tensor)
+        plan.watch.append(True)
+    local = param._local_tensor
+    plan.params[slot] = param
+    for module, name in plan.homes[slot]:  # a tied parameter stays tied: all its modules
+        module._parameters[name] = param  # type: ignore[assignment]
+    plan.watch[slot] = not param.requires_grad
+    if _grads(local) and not (local is plan.locals[slot] and local.requires_grad):
+        local.requires_grad_(True)  # (a frozen parameter's is read detached: _unshard)
+        local.register_post_accumulate_grad_hook(_Landed(plan, slot))
+    plan.locals[slot] = local
+
+
+def _grads(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
 
 
 def set_sync(plan: _Plan, sync: bool) -> None:
@@ -276,13 +350,13 @@ def set_sync(plan: _Plan, sync: bool) -> None:
     for slot, p in enumerate(plan.params):
         if plan.accs[slot] is not None:
             continue
-        local = p.to_local() if isinstance(p, DTensor) else p
+        local = plan.locals[slot]
         dtype = plan.reduce_dtype or plan.param_dtype or p.dtype
         shape = plan.layouts[slot].shape
         strides = (0,) * len(shape)  # one element of storage: the sink only collects .grad
         sink = local.new_empty_strided(shape, strides, dtype=dtype).zero_().requires_grad_()
+        sink.register_post_accumulate_grad_hook(_Summed(plan))
         plan.accs[slot] = sink
-        p.register_post_accumulate_grad_hook(_Landed(plan, slot))
 
 
 def drop_sums(plan: _Plan) -> None:
@@ -293,25 +367,69 @@ def drop_sums(plan: _Plan) -> None:
 
 
 class _Landed:
-    """A parameter's post-accumulate-grad hook: a synced gradient landed, so the no-sync
-    sum it carried is spent."""
+    """A local leaf's post-accumulate-grad hook: its synced gradient becomes the parameter's
+    (a DTensor of its spec, added to a gradient already there; dropped if the parameter was
+    frozen since), the parameter's own post-accumulate-grad hooks run, and the no-sync sum
+    it carried is spent. See [Note: traced leaves]."""
+
+    __slots__ = ("plan", "slot")
 
     def __init__(self, plan: _Plan, slot: int) -> None:
         self.plan, self.slot = plan, slot
 
-    def __call__(self, param: torch.Tensor) -> None:
-        plan = self.plan
-        _check_mode(plan)
-        sink = plan.accs[self.slot]
-        if plan.sync and sink is not None:
+    def __call__(self, local: torch.Tensor) -> None:
+        plan, slot = self.plan, self.slot
+        if plan.sync != plan.forward_sync:
+            _mode_changed(plan)
+        grad, local.grad = local.grad, None
+        if grad is None:  # compiled, autograd runs it for every input: a no-sync one's too
+            return
+        param = plan.params[slot]
+        module, name = plan.homes[slot][0]
+        current: object = module._parameters.get(name)
+        if local is not param._local_tensor or current is not param:
+            raise RuntimeError(
+                f"fully_shard_traced({plan.name}): parameter {plan.fqns[slot]!r} was replaced "
+                "behind its module's back (not by setattr, load_state_dict, to or to_empty): "
+                "the graph read the old one, whose gradient has nowhere to go. Replace "
+                "parameters through the module"
+            )
+        if not param.requires_grad:  # frozen after the graph was made: read it from now on
+            plan.watch[slot] = True
+            return
+        if param.grad is None:
+            param.grad = _dtensor(DTensor, grad, param._spec, requires_grad=False)
+        else:
+            param.grad._local_tensor.add_(grad)  # type: ignore[attr-defined]
+        hooks = param._post_accumulate_grad_hooks
+        if hooks:
+            for hook in list(hooks.values()):
+                hook(param)
+        sink = plan.accs[slot]
+        if sink is not None:
             sink.grad = None
 
 
-def _check_mode(plan: _Plan) -> None:
+# ``DTensor(local, spec, requires_grad=)`` without its ``__init__`` (a no-op behind a
+# dynamo-disable wrapper): a third of the cost, per parameter per step.
+_dtensor = torch.Tensor._dtensor__new__
+
+
+class _Summed:
+    """A sink's post-accumulate-grad hook: a no-sync backward ran the mode its forward chose."""
+
+    def __init__(self, plan: _Plan) -> None:
+        self.plan = plan
+
+    def __call__(self, sink: torch.Tensor) -> None:
+        if self.plan.sync != self.plan.forward_sync:
+            _mode_changed(self.plan)
+
+
+def _mode_changed(plan: _Plan) -> NoReturn:
     """Backward runs the mode its forward chose; refuse a mode changed in between."""
-    if plan.sync != plan.forward_sync:
-        raise RuntimeError(
-            f"fully_shard_traced({plan.name}): set_requires_gradient_sync({plan.sync}) was "
-            "called between a forward and its backward; the traced mode reads it in the "
-            "forward (its graph reduces or not): call it before the micro-batch's forward"
-        )
+    raise RuntimeError(
+        f"fully_shard_traced({plan.name}): set_requires_gradient_sync({plan.sync}) was "
+        "called between a forward and its backward; the traced mode reads it in the "
+        "forward (its graph reduces or not): call it before the micro-batch's forward"
+    )

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from fsdp2.traced._gather import _Plan, drop_sums, gather, gather_tied, set_sync
+from fsdp2.traced._gather import _Plan, arm, drop_sums, gather, gather_tied, set_sync
 
 _PLAN = "_fsdp2_traced_plan"  # the instance attribute holding a module's _Plan
 _SLOTS = "_fsdp2_traced_slots"  # an owner's {parameter name: its slot in the plan}
@@ -26,11 +26,39 @@ def _gathers(plan: _Plan) -> bool:
 def _gathered(name: str) -> property:
     def get(self: nn.Module) -> torch.Tensor:
         plan: _Plan = getattr(self, _PLAN)
+        if _gathers(plan):  # the DTensor is not read: [Note: traced leaves]
+            return gather(plan, getattr(self, _SLOTS)[name])
         param = self._parameters[name]
         assert param is not None
-        return gather(param, plan, getattr(self, _SLOTS)[name]) if _gathers(plan) else param
+        return param
 
     return property(get)
+
+
+class _Rearming(nn.Module):
+    """Mixed into an owner's class: its ``register_parameter`` (``setattr``,
+    ``load_state_dict(assign=True)``) and ``_apply`` (``to``, ``to_empty``, ``float``...)
+    re-arm the managed parameters they replace. See [Note: traced leaves]."""
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        super().register_parameter(name, param)
+        slots: dict[str, int] | None = self.__dict__.get(_SLOTS)
+        if slots is not None and name in slots:
+            if param is None:
+                raise ValueError(
+                    f"{type(self).__name__}.{name} is managed by fully_shard_traced: it "
+                    "cannot be set to None"
+                )
+            arm(getattr(self, _PLAN), slots[name], param)
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        out = super()._apply(*args, **kwargs)
+        plan: _Plan = getattr(self, _PLAN)
+        for name, slot in getattr(self, _SLOTS).items():
+            param = self._parameters[name]
+            assert param is not None
+            arm(plan, slot, param)
+        return out
 
 
 def _cast(dtype: torch.dtype | None, tree: Any) -> Any:
@@ -140,6 +168,6 @@ def _traced_class(base: type, names: tuple[str, ...], root: bool) -> type:
     key = (base, names, root)
     if key not in _CLASSES:
         props: dict[str, Any] = {n: _gathered(n) for n in names}
-        bases = (TracedModule, base) if root else (base,)
+        bases = ((TracedModule,) if root else ()) + ((_Rearming,) if names else ()) + (base,)
         _CLASSES[key] = type(f"Traced{base.__name__}", bases, props)
     return _CLASSES[key]

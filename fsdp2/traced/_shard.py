@@ -11,10 +11,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fsdp2._core.front.sharding import FSDPModule
+from fsdp2._core.front.sharding import FSDPModule, _check_ignored
 from fsdp2._core.support.mesh import default_mesh, dp_tp_mesh, mesh_info
 from fsdp2.api import MixedPrecisionPolicy, OffloadPolicy
-from fsdp2.traced._gather import _Layout, _Plan, _rows
+from fsdp2.traced._gather import _Layout, _Plan, _rows, arm
 from fsdp2.traced._module import _PLAN, _SLOTS, TracedModule, _traced_class
 
 
@@ -137,7 +137,9 @@ def fully_shard_traced(
         reshard_after_forward: ``True``: when compiled, backward all-gathers again (the
             gather is recomputed, not saved); ``False``: the unsharded parameters are saved
             for backward. Eager (uncompiled) calls always save them.
-        shard_placement_fn, ignored_params: not supported yet (``NotImplementedError``).
+        shard_placement_fn: not supported yet (``NotImplementedError``).
+        ignored_params: parameters left as they are, as ``fully_shard``'s: not sharded, not
+            gathered, their gradients not reduced.
         mp_policy: ``param_dtype``, ``reduce_dtype``, ``output_dtype``,
             ``cast_forward_inputs`` as in ``fully_shard``; ``grad_dtype`` not yet.
         offload_policy: only ``OffloadPolicy()`` (no offload).
@@ -153,12 +155,18 @@ def fully_shard_traced(
             that is no other dimension of ``mesh``'s root, or ``Partial``.
     """
     mesh = default_mesh() if mesh is None else mesh
-    unsupported = {"shard_placement_fn": shard_placement_fn, "ignored_params": ignored_params}
+    unsupported = {"shard_placement_fn": shard_placement_fn}
+    try:
+        ignored = _check_ignored(ignored_params)  # fully_shard's rules
+    except TypeError as e:
+        raise TypeError(f"fully_shard_traced({type(module).__name__}): {e}") from None
     _check(module, mesh, reshard_after_forward, mp_policy, offload_policy, unsupported)
     owners = _owned(module)
     tp_meshes: dict[int, DeviceMesh] = {}  # id(parameter) -> the concatenated (dp, tp) mesh
     for path, mod in owners:
         for name, p in mod._parameters.items():
+            if id(p) in ignored:
+                continue
             fqn = f"{path}.{name}" if path else name
             value: torch.Tensor | None = p  # a Parameter, or one wrapping a DTensor (TP)
             if isinstance(value, DTensor):
@@ -171,25 +179,28 @@ def fully_shard_traced(
     plan = _Plan(type(module).__name__, mesh, reshard_after_forward, mp_policy)
     placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]  # as fully_shard
     slots: dict[int, int] = {}  # a tied parameter is sharded once, and has one slot
-    for _, mod in owners:
+    for path, mod in owners:
         names: dict[str, int] = {}
         for name, p in list(mod._parameters.items()):
-            if p is None:
+            if p is None or id(p) in ignored:
                 continue
             if id(p) not in slots:
+                plan.homes.append([])
+                plan.fqns.append(f"{path}.{name}" if path else name)
                 value = p
                 if isinstance(value, DTensor):
                     dt, layout = _shard_tp(value, plan, tp_meshes[id(p)], mesh.ndim)
                 else:
                     dt, layout = distribute_tensor(p.detach(), mesh, placements), _Layout(p.shape)
                 slots[id(p)] = len(plan.params)
-                plan.params.append(nn.Parameter(dt, requires_grad=p.requires_grad))
                 plan.layouts.append(layout)
                 plan.accs.append(None)
+                arm(plan, slots[id(p)], nn.Parameter(dt, requires_grad=p.requires_grad))
             elif slots[id(p)] not in plan.tied:
                 plan.tied.append(slots[id(p)])
-            mod._parameters[name] = plan.params[slots[id(p)]]
+            mod._parameters[name] = plan.params[slots[id(p)]]  # type: ignore[assignment]
             names[name] = slots[id(p)]
+            plan.homes[slots[id(p)]].append((mod, name))
         root = mod is module
         if names or root:
             object.__setattr__(mod, _PLAN, plan)

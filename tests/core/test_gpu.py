@@ -23,11 +23,15 @@ that differs, and only sometimes.
 * ``estimate_memory(device="cuda")`` against ``torch.cuda.max_memory_allocated``;
 * ``fsdp2.timeline`` on CUDA: the trace holds the GPU kernels;
 * two ranks on one GPU over gloo (CUDA tensors): fsdp2 against torch's FSDP2 and the
-  reference, where gloo supports CUDA collectives (skipped with its error otherwise).
+  reference, where gloo supports CUDA collectives (skipped with its error otherwise);
+* the traced mode (``fsdp2.traced``) at world size 1: compiled whole with ``aot_eager``'s
+  compilers, bitwise eager fsdp2 (fp32 and bf16 mixed precision; on CUDA SDPA's math
+  backend, whose backward has no atomics), no collective in its graphs, nothing recompiled.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Any
@@ -567,3 +571,93 @@ def _exchange_on_device() -> None:
 
 def test_exchange_reduce_on_device() -> None:
     run_on_ranks(1, _exchange_on_device)
+
+
+# ---------------------------------------------------------------------------------------------
+# The traced mode on the device: compiled (aot_eager) equals eager fsdp2 bitwise, and at one
+# shard rank its graphs hold no collective
+
+
+def _recording_backend(ops: dict[str, list[str]]) -> Any:
+    """A ``torch.compile`` backend: ``aot_eager``'s compilers (the traced aten graphs run as
+    they are), keeping each forward and backward graph's functional collectives in ``ops``."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def keep(kind: str) -> Any:
+        def compiler(gm: torch.fx.GraphModule, _: Any) -> Any:
+            ops[kind] += [
+                str(n.target)
+                for n in gm.graph.nodes
+                if n.op == "call_function" and "_c10d_functional" in str(n.target)
+            ]
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    return aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"))
+
+
+def _traced_on_device(mp: str) -> dict[str, Any]:
+    from torch._dynamo.utils import counters
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fsdp2.traced import fully_shard_traced
+
+    mesh = one_rank_mesh()
+    device = torch.device(TEST_DEVICE, 0) if TEST_DEVICE == "cuda" else torch.device("cpu")
+    # On CUDA, SDPA's memory-efficient and flash backwards add with atomics (runs differ in
+    # the last bits); the math backend's matmuls and softmax do not. The CPU keeps its own.
+    cuda = TEST_DEVICE == "cuda"
+    runs: dict[str, dict[str, Any]] = {}
+    ops: dict[str, list[str]] = {"fw": [], "bw": []}
+    graphs: list[int] = []
+    for how in ("eager", "traced"):
+        model = _build(device)
+        fn: Any = fsdp2.fully_shard if how == "eager" else fully_shard_traced
+        for block in model.layers:
+            fn(block, mesh=mesh, **_policy("fsdp2", mp))
+        fn(model, mesh=mesh, **_policy("fsdp2", mp))
+        run: Any = model
+        if how == "traced":
+            torch._dynamo.reset()
+            counters.clear()
+            run = torch.compile(model, backend=_recording_backend(ops), fullgraph=True)
+        with sdpa_kernel([SDPBackend.MATH]) if cuda else contextlib.nullcontext():
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+            losses = []
+            for step in range(3):
+                x, y = _tokens(step, device)
+                loss = run(x, y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+                if how == "traced":
+                    graphs.append(counters["stats"]["unique_graphs"])
+        for name, p in model.named_parameters():
+            assert isinstance(p, DTensor) and p.device.type == device.type, f"{how} {name}"
+        runs[how] = {"losses": losses, "params": _full(model)}
+    recompiles = sum(counters["recompiles"].values())
+    breaks = sum(counters["graph_break"].values())
+    return {**runs, "ops": ops, "graphs": graphs, "recompiles": recompiles, "breaks": breaks}
+
+
+@pytest.mark.parametrize("mp", ["fp32", "bf16"])
+def test_traced_compiled_on_device(mp: str) -> None:
+    """World size 1 on the device: ``fully_shard_traced`` on each block and the root, then
+    ``torch.compile(fullgraph=True)`` with ``aot_eager``'s compilers, trains bitwise as eager
+    ``fsdp2.fully_shard`` (losses each step, parameters at the end; 3 AdamW steps). At one
+    shard rank the local shard is the whole parameter, so the traced mode makes no
+    collective: the forward and backward graphs hold none. One graph, compiled in step 1,
+    nothing recompiled after it. Run once, not ``REPEATS`` times: the traced mode has no
+    stream of its own, and eager fsdp2's are repeated by ``test_parity_one_gpu``."""
+    res = run_on_ranks(1, _traced_on_device, mp)[0]
+    eager, traced = res["eager"], res["traced"]
+    assert traced["losses"] == eager["losses"], (traced["losses"], eager["losses"])
+    for name, p in eager["params"].items():
+        got = traced["params"][name]
+        assert torch.equal(got, p), f"{mp} {name}: max diff {(got - p).abs().max().item()}"
+    assert res["ops"] == {"fw": [], "bw": []}, res["ops"]
+    assert res["graphs"] == [1, 1, 1], res["graphs"]
+    assert res["recompiles"] == 0 and res["breaks"] == 0, res

@@ -396,8 +396,7 @@ def _checkpointed() -> dict[str, Any]:
 
 def test_traced_checkpoint_compiled() -> None:
     """Blocks under ``checkpoint_wrapper``, compiled (``aot_eager``, fullgraph): bitwise the
-    uncompiled run without checkpointing. (A checkpointed region holding a random op, such as
-    ``scaled_dot_product_attention``, fails on torch 2.13: docs/compile.md.)"""
+    uncompiled run without checkpointing (a region recomputing SDPA: test_traced_models.py)."""
     res = run_on_ranks(2, _checkpointed)[0]
     check_same_run(res["True"], res["False"], "compiled checkpointed vs uncompiled")
     assert res["breaks"] == 0, res["breaks"]

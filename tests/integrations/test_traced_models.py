@@ -18,9 +18,8 @@ behind a recording backend (``test_traced._Recorder``). It checks:
 
 Cases (each compile costs seconds, so each case also carries one composition):
 
-* ``llama``: ``fsdp2.models.Llama`` (2 blocks, SDPA), blocks under ``checkpoint_wrapper``
-  with ``save_random_ops`` (everything recomputed but SDPA: full recompute of a random op
-  fails on torch 2.13, see ``test_traced_full_checkpoint_torch_bug`` and docs/compile.md),
+* ``llama``: ``fsdp2.models.Llama`` (2 blocks, SDPA), blocks under plain
+  ``checkpoint_wrapper`` (everything recomputed, SDPA, a random op, too: docs/compile.md),
   ``reshard_after_forward=True`` with the min-cut partitioner: all-gathers again in the
   backward graph;
 * ``hf_llama``: transformers' ``LlamaForCausalLM`` from ``models.hf_llama_config`` (2
@@ -66,7 +65,7 @@ class Case(NamedTuple):
     blocks: Callable[[Any], list[nn.Module]]  # its blocks (sharded first, one call each)
     loss: Callable[[nn.Module, torch.Tensor], torch.Tensor]  # the model computes its loss
     reshard: bool  # reshard_after_forward (True: all-gathers recomputed in backward)
-    ac: bool  # the blocks under checkpoint_wrapper (SDPA kept, see save_random_ops)
+    ac: bool  # the blocks under checkpoint_wrapper (full recompute)
 
 
 def _llama(seed: int) -> nn.Module:
@@ -118,25 +117,11 @@ def _tokens(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
 
 
-def save_random_ops() -> Any:
-    """A ``context_fn`` for ``checkpoint_wrapper``: recompute every op but the random ones
-    (``nondeterministic_seeded``: SDPA, dropout), whose outputs are saved. Compiled with the
-    traced mode, full recompute of a random op fails on torch 2.13 (docs/compile.md)."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
-
-
 # ---------------------------------------------------------------------------------------------
 # One model, three ways
 
 
-def _make(name: str, how: str, seed: int = 0, context_fn: Any = save_random_ops) -> nn.Module:
+def _make(name: str, how: str, seed: int = 0) -> nn.Module:
     """``name``'s model: its blocks (checkpointed if the case says so), then the root,
     sharded by eager ``fully_shard`` (``how="eager"``) or ``fully_shard_traced``."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -147,8 +132,7 @@ def _make(name: str, how: str, seed: int = 0, context_fn: Any = save_random_ops)
     mesh = world_mesh()
     for block in case.blocks(model):
         if case.ac:
-            kw = {} if context_fn is None else {"context_fn": context_fn}  # None: full AC
-            wrapped = checkpoint_wrapper(block, **kw)
+            wrapped = checkpoint_wrapper(block)
             parent, attr = _parent(model, block)
             parent.register_module(attr, wrapped)
             block = wrapped
@@ -258,27 +242,3 @@ def test_traced_model(name: str) -> None:
     if name == "moe":  # the routing changed between steps, and the graph stayed the same
         assert compiled["routed"] == traced["routed"], (compiled["routed"], traced["routed"])
         assert len(set(map(tuple, compiled["routed"]))) > 1, compiled["routed"]
-
-
-def _full_checkpoint() -> str:
-    """Llama's blocks under plain ``checkpoint_wrapper`` (every op recomputed, SDPA too),
-    traced and compiled: torch 2.13's AOTAutograd fails the first step."""
-    torch._dynamo.reset()
-    model = _make("llama", "traced", context_fn=None)
-    run = torch.compile(model, backend="aot_eager", fullgraph=True)
-    try:
-        CASES["llama"].loss(run, mine(_tokens(0))).backward()
-    except AssertionError as e:
-        return str(e)
-    return ""
-
-
-@pytest.mark.long
-def test_traced_full_checkpoint_torch_bug() -> None:
-    """The torch bug docs/compile.md describes (and ``save_random_ops`` avoids): with a random
-    op recomputed, AOTAutograd's RNG functionalization puts the RNG states after the
-    ``DeviceMesh`` saved for backward, and the runtime rejects the mesh as a tensor. When
-    this fails, torch fixed it: drop the workaround from the docs."""
-    error = run_on_ranks(2, _full_checkpoint)[0]
-    assert "expected all tensors_saved_with_vc_check to be Tensors" in error, error
-    assert "DeviceMesh" in error, error

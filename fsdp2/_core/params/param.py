@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
@@ -249,6 +250,60 @@ class FSDPParam:
             placeholder = torch.empty(0, dtype=local.dtype, device=local.device)
             self.placeholder = placeholder
         return _wrap(local, spec, False, placeholder)
+
+    @property
+    def has_grad_hooks(self) -> bool:
+        """Whether the sharded parameter has post-accumulate-grad hooks."""
+        return bool(self.sharded._post_accumulate_grad_hooks)
+
+    def run_grad_hooks(self) -> None:
+        """Call the sharded parameter's post-accumulate-grad hooks with it, in the order
+        they were registered: its reduced gradient has just landed on ``.grad``
+        ([Note: post-accumulate-grad hooks])."""
+        hooks = self.sharded._post_accumulate_grad_hooks
+        for hook in tuple(hooks.values()) if hooks else ():
+            hook(self.sharded)
+
+
+# [Note: post-accumulate-grad hooks]
+# Backward runs on the unsharded parameters, so autograd never accumulates a gradient into a
+# sharded one and never calls the hooks users register on it with
+# ``register_post_accumulate_grad_hook`` (optimizer-in-backward: torchtune's
+# ``register_optim_in_bwd_hooks``; per-parameter clipping or logging). As torch's FSDP2
+# (``foreach_reduce``), fsdp2 calls them itself, with the sharded parameter, each time a
+# reduced gradient lands on its ``.grad`` (assigned, or added to the one there): parameter by
+# parameter in the group's order, each right after its own gradient landed (``land_local_grads``
+# here; ``land_pieces`` in piece_grad.py, where under replica sharding the hook sees the
+# ``PieceGrad``: [Note: pieces as .grad]). So they run where the gradients land, when the
+# reduction finishes: without gradient sync (``set_requires_gradient_sync(False)``) or, for
+# HSDP, without the all-reduce nothing lands and no hook runs, until the reduction of a later
+# synced backward (or ``synchronize_gradients``) lands the sum and runs them once. With CPU
+# offload the device-to-host copy of a group with such a hook is synchronous, as torch's, so
+# a hook never reads pinned memory still being written (``reduce.land_grads``).
+
+
+def land_local_grads(params: Sequence[FSDPParam], locals_: Sequence[torch.Tensor]) -> None:
+    """Land ``locals_`` (a rank's reduced local gradients of ``params``, in their gradient
+    dtype, on their device) on the sharded parameters: each the ``.grad`` (``grad_dtensor``,
+    no copy) or added to the one there, then that parameter's post-accumulate-grad hooks run
+    ([Note: post-accumulate-grad hooks])."""
+    hooked = any(p.has_grad_hooks for p in params)
+    acc_dst, acc_src = [], []
+    for p, local in zip(params, locals_, strict=True):
+        g = p.sharded.grad
+        if g is None:
+            p.sharded.grad = p.grad_dtensor(local)
+        else:
+            assert isinstance(g, DTensor)
+            if hooked:  # a hook may read it next: add now
+                g._local_tensor.add_(local)
+            else:
+                acc_dst.append(g._local_tensor)
+                acc_src.append(local)
+        if hooked:
+            p.run_grad_hooks()
+    if acc_dst:
+        torch._foreach_add_(acc_dst, acc_src)
 
 
 class GradPolicy:

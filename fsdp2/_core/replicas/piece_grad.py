@@ -28,7 +28,9 @@
 # ops (``__torch_dispatch__``); before, DTensor's C++ dispatch never calls a subclass's, so
 # they run on the torch functions that take a PieceGrad (``__torch_function__``, the same
 # rules by the functions' aten names; ``compat.DTENSOR_SUBCLASS_DISPATCH``). The tensor
-# stays in ``fp.sharded.grad``; ``piece_grad_of(fp)`` reads its local piece.
+# stays in ``fp.sharded.grad``; ``piece_grad_of(fp)`` reads its local piece. The parameter's
+# post-accumulate-grad hooks run with it once it landed ([Note: post-accumulate-grad hooks]
+# in param.py), so they see this ``.grad`` too.
 """
 
 from __future__ import annotations
@@ -384,7 +386,8 @@ def piece_spec(fp: FSDPParam, dtype: torch.dtype) -> DTensorSpec:
 def land_pieces(group: ParamGroup, params: list[FSDPParam], output: torch.Tensor) -> int:
     """Land this replica rank's pieces of ``params``' gradients (``output``: one slot of
     ``c`` elements per parameter, back to back) as their ``PieceGrad``, accumulating into
-    existing ones; returns the elements consumed."""
+    existing ones, each parameter's post-accumulate-grad hooks run once its piece landed;
+    returns the elements consumed."""
     pg = group.info.replicate_group
     assert pg is not None
     replicas, rank = group.info.replicate_size, pg.rank()
@@ -399,11 +402,12 @@ def land_pieces(group: ParamGroup, params: list[FSDPParam], output: torch.Tensor
         held = p.sharded.grad
         if isinstance(held, PieceGrad):
             held._local_tensor.add_(g)
-            continue
-        if held is not None:  # set by hand (or DCP's state init) in the parameter's layout
-            local = held._local_tensor if isinstance(held, DTensor) else p.local_chunk(held)
-            g = g + local.reshape(-1).narrow(0, start, length).to(g.dtype)
-        set_piece_grad(group, p, g)
+        else:
+            if held is not None:  # set by hand (or DCP's state init) in the parameter's layout
+                local = held._local_tensor if isinstance(held, DTensor) else p.local_chunk(held)
+                g = g + local.reshape(-1).narrow(0, start, length).to(g.dtype)
+            set_piece_grad(group, p, g)
+        p.run_grad_hooks()  # with the PieceGrad: [Note: post-accumulate-grad hooks] in param.py
     return offset
 
 

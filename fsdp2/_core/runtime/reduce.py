@@ -20,13 +20,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from fsdp2._core.comm.collectives import DividePlan, all_reduce, reduce_scatter
 from fsdp2._core.comm.exact import TreeSum, is_power_of_two
 from fsdp2._core.comm.transport import Pending, pack_for_reduce_scatter
 from fsdp2._core.params.dtypes import landing_dtypes, unsharded_grad_dtype
-from fsdp2._core.params.param import FSDPParam
+from fsdp2._core.params.param import FSDPParam, land_local_grads
 from fsdp2._core.replicas.piece_grad import land_pieces
 from fsdp2._core.replicas.pieces import piece_views
 from fsdp2._core.support.labels import label
@@ -467,16 +466,18 @@ def land_grads(group: ParamGroup, params: list[FSDPParam], output: torch.Tensor)
     """Turn a rank's reduce-scatter output into the sharded params' ``.grad`` (views of
     ``output``, or of one cast of it to their gradient dtype; a cast per parameter when
     their dtypes differ: [Note: gradient dtypes] in dtypes.py), accumulating into existing
-    gradients. Returns whether the gradients were copied to pinned host memory
-    asynchronously (CPU offload): the caller synchronizes before anyone reads them."""
+    gradients; each parameter's post-accumulate-grad hooks run once its gradient landed
+    ([Note: post-accumulate-grad hooks] in param.py). Returns whether the gradients were
+    copied to pinned host memory asynchronously (CPU offload): the caller synchronizes
+    before anyone reads them."""
     flat, host_copy = group.sharded_flat, False
     dtypes = landing_dtypes(params, output.dtype)
     dtype = dtypes[0] if len(set(dtypes)) == 1 else None  # None: several
     if dtype is not None and output.device != flat.device:  # CPU offload: device-to-host
-        # Asynchronous only when nothing reads the copy here: accumulating into existing
-        # gradients adds on the host at once, so it waits for the copy first.
-        accumulate = any(p.sharded.grad is not None for p in params)
-        host_copy = flat.is_pinned() and not accumulate
+        # Asynchronous only when nothing reads the copy here: an add into existing gradients
+        # or a post-accumulate-grad hook reads it on the host at once, so it waits for it.
+        read = any(p.sharded.grad is not None or p.has_grad_hooks for p in params)
+        host_copy = flat.is_pinned() and not read
         host = torch.empty(output.shape, dtype=dtype, pin_memory=flat.is_pinned())
         host.copy_(output, non_blocking=host_copy)
         output = host
@@ -485,15 +486,5 @@ def land_grads(group: ParamGroup, params: list[FSDPParam], output: torch.Tensor)
     locals_ = [t for _, t in slices_by_param(output, params)]
     if dtype is None:  # several gradient dtypes: a cast (and a move) per parameter
         locals_ = [t.to(flat.device, d) for t, d in zip(locals_, dtypes, strict=True)]
-    acc_dst, acc_src = [], []
-    for p, local in zip(params, locals_, strict=True):
-        g = p.sharded.grad
-        if g is None:
-            p.sharded.grad = p.grad_dtensor(local)
-        else:
-            assert isinstance(g, DTensor)
-            acc_dst.append(g._local_tensor)
-            acc_src.append(local)
-    if acc_dst:
-        torch._foreach_add_(acc_dst, acc_src)
+    land_local_grads(params, locals_)  # and the hooks: [Note: post-accumulate-grad hooks]
     return host_copy
