@@ -1,5 +1,6 @@
 """The recipes of docs/recipes.md, rl_weight_sync.md, replicate.md, pipelining.md,
-mixed_precision.md and reproducibility.md run exactly as shown.
+mixed_precision.md, reproducibility.md, replica_optim.md, frameworks.md and compile.md run
+exactly as shown.
 
 Every command in the pages' ``sh`` blocks is run as written (``torchrun`` and ``accelerate``
 are the venv's), in a fresh directory holding a link to ``examples/``, on 2 to 4 CPU ranks
@@ -41,6 +42,7 @@ PAGES = (
     os.path.join(ROOT, "docs", "reproducibility.md"),
     os.path.join(ROOT, "docs", "replica_optim.md"),
     os.path.join(ROOT, "docs", "frameworks.md"),
+    os.path.join(ROOT, "docs", "compile.md"),
 )
 BIN = os.path.dirname(sys.executable)
 TIMEOUT_S = 300
@@ -58,6 +60,7 @@ DONE = {
     "examples/reproducible.py": "2 ranks and 1 rank trained to the same bits",
     "examples/replica_optim.py": "the optimizer sharded over the replicas trained like plain HSDP",
     "examples/framework_modes.py": "trained with --mode",
+    "examples/traced_train.py": "the traced mode trained like eager fully_shard",
 }
 
 
