@@ -18,7 +18,8 @@ records the forward and backward graphs. It checks:
 ``test_traced_state_dict`` swaps state dicts between eager fsdp2 and the traced mode (same
 keys, DTensors on the same mesh and placements, the same values both ways) and checks
 ``fsdp2.clip_grad_norm_`` and the refusals (each a ``NotImplementedError`` before any
-collective), DCP save and load, activation checkpointing uncompiled, meta-device init
+collective), DCP save and load (traced to traced, to torch's FSDP2 and back), activation
+checkpointing uncompiled, meta-device init
 (bitwise eager's), and that a read outside forward is the sharded parameter.
 ``test_traced_inductor``: the default backend on a small MLP, within tolerance of the
 uncompiled traced mode. ``test_traced_checkpoint_compiled``: checkpointed blocks compiled.
@@ -208,6 +209,19 @@ def _state_dict_and_errors(ckpt_dir: str) -> dict[str, Any]:
     dcp.load(sd, checkpoint_id=ckpt_dir)
     fresh.load_state_dict(sd)
     dcp_pairs = (models.full_params(fresh), models.full_params(traced))
+    # ... and between the traced mode and torch's FSDP2, both ways.
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    theirs = models.shard_model(models.build("transformer", seed=5), torch_fully_shard, mesh)
+    sd = theirs.state_dict()
+    dcp.load(sd, checkpoint_id=ckpt_dir)  # the traced model's checkpoint
+    theirs.load_state_dict(sd)
+    dcp.save(theirs.state_dict(), checkpoint_id=ckpt_dir + "-torch")
+    ours = _shard(models.build("transformer", seed=6), "traced")
+    sd = ours.state_dict()
+    dcp.load(sd, checkpoint_id=ckpt_dir + "-torch")
+    ours.load_state_dict(sd)
+    dcp_pairs += (models.full_params(theirs), models.full_params(ours))
 
     # Activation checkpointing (uncompiled): blocks under checkpoint_wrapper, then sharded.
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -308,7 +322,9 @@ def test_traced_state_dict(tmp_path: Any) -> None:
     check_same(res["loaded"], res["want"], "eager -> traced load", bitwise=True)
     check_same(res["back"], res["want"], "traced -> eager load", bitwise=True)
     torch.testing.assert_close(res["norms"][1], res["norms"][0], rtol=1e-5, atol=1e-6)
-    check_same(res["dcp"][0], res["dcp"][1], "DCP round trip", bitwise=True)
+    fresh, saved, theirs, back_again = res["dcp"]
+    for got, what in ((fresh, "traced"), (theirs, "torch's FSDP2"), (back_again, "traced again")):
+        check_same(got, saved, f"DCP: the traced checkpoint in {what}", bitwise=True)
     check_same(res["ac"][1], res["ac"][0], "checkpointed blocks' gradients", bitwise=True)
     check_same(res["meta"][1], res["meta"][0], "meta init, traced vs eager", bitwise=True)
     errors = res["errors"]
