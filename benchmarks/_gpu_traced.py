@@ -29,10 +29,10 @@ Targets: traced at most **1.10x** the unsharded compiled model's step. At one ra
 the same compute in one graph (the traced mode casts each parameter to bf16 once, where
 autocast casts it at each use, recomputed in backward with ``reshard_after_forward=True``);
 what the traced mode adds is a hook per parameter landing its gradient as a DTensor and
-AdamW's dispatch over DTensors (39 of them, a few microseconds each a step). On a ~40 ms step (half the ``step``
-part's 77 ms, estimated) that is a few percent; eager fsdp2 is held to 1.03x the eager
-unsharded model (``step``), and a compiled step is shorter, so the same overhead weighs
-more: 10% leaves room for noise, not for a slow path. Traced at most **1.0x**
+AdamW's dispatch over DTensors (39 of them, a few microseconds each a step). On a ~40 ms
+step (half the ``step`` part's 77 ms, estimated) that is a few percent; eager fsdp2 is
+held to 1.03x the eager unsharded model (``step``), and a compiled step is shorter, so the
+same overhead weighs more: 10% leaves room for noise, not for a slow path. Traced at most **1.0x**
 ``fsdp2_blocks`` and ``torch_blocks``: one graph with no hooks should not be slower than
 graphs per block with eager hooks and copies between them (what the traced mode is for).
 

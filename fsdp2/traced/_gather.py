@@ -15,6 +15,10 @@ on a 2D (HSDP) mesh, all-reduces it over the replicate dim (a sum divided by the
 data-parallel size: eager fsdp2's average on gloo) and casts it to the parameter's dtype:
 the gradient of the local shard, which becomes the parameter's gradient DTensor ([Note:
 traced leaves]).
+A parameter ``shard_placement_fn`` placed ``Shard(d)`` is gathered and reduced along dim
+``d`` (moved to the front around the collectives: ``_Layout.dim``); one placed
+``Replicate()`` is whole on every rank: no gather, its gradient all-reduced over the shard
+dim (and the replicate dim) and averaged, as eager fsdp2's replicated groups.
 ``reshard_after_forward=True`` runs the gather under ``torch.utils.checkpoint`` with a policy
 that recomputes the collectives when compiled, so backward all-gathers again instead of
 saving the unsharded parameter (SimpleFSDP's way, arXiv 2411.00284).
@@ -143,58 +147,78 @@ class _Plan:
 
 
 class _Layout:
-    """One parameter's unsharded form: ``shape`` (rows ``shape[0]`` gathered), and for a
-    tensor-parallel parameter the TP mesh, placements, global shape and stride that wrap
-    it back into the DTensor the module computes with. See [Note: traced tensor parallel]."""
+    """One parameter's unsharded form: ``shape``, the dim its shards split (``dim``,
+    ``shard_placement_fn``'s ``Shard(dim)``; 0 by default) or none (``replicated``:
+    ``Replicate()``, whole on every rank), and for a tensor-parallel parameter the TP mesh,
+    placements, global shape and stride that wrap it back into the DTensor the module
+    computes with. See [Note: traced tensor parallel]."""
 
     def __init__(
         self,
         shape: torch.Size,
         tp: tuple[DeviceMesh, tuple[Placement, ...], torch.Size, tuple[int, ...]] | None = None,
+        dim: int = 0,
+        replicated: bool = False,
     ) -> None:
-        self.shape = shape
-        self.tp = tp
+        self.shape, self.tp, self.dim, self.replicated = shape, tp, dim, replicated
 
 
-def _rows(plan: _Plan, dim0: int) -> tuple[int, int]:
+def _rows(plan: _Plan, size: int) -> tuple[int, int]:
     """torch.chunk's rows per rank, and this rank's (fewer on trailing ranks)."""
-    per_rank = -(-dim0 // plan.world)
-    return per_rank, max(0, min(per_rank, dim0 - plan.rank * per_rank))
+    per_rank = -(-size // plan.world)
+    return per_rank, max(0, min(per_rank, size - plan.rank * per_rank))
 
 
-def _all_gather(local: torch.Tensor, plan: _Plan, dim0: int) -> torch.Tensor:
-    per_rank, held = _rows(plan, dim0)
+def _all_gather(local: torch.Tensor, plan: _Plan, layout: _Layout) -> torch.Tensor:
     x = local if plan.param_dtype is None else local.to(plan.param_dtype)
-    if plan.world == 1:  # one shard rank: the local tensor is the whole parameter
+    if plan.world == 1 or layout.replicated:  # the local tensor is the whole parameter
         return x.view_as(x) if x is local else x
+    d, size = layout.dim, layout.shape[layout.dim]
+    per_rank, held = _rows(plan, size)
+    if d:  # Shard(d): gather the shards' dim d as rows (even: no padding, as fully_shard)
+        x = x.movedim(d, 0)
     if held != per_rank:
         x = torch.cat([x, x.new_zeros((per_rank - held, *x.shape[1:]))])
     full: torch.Tensor = _FUNCTIONAL.all_gather_into_tensor(
         x.contiguous(), plan.world, plan.group_name
     )
     full = _FUNCTIONAL.wait_tensor(full)
-    return full if full.shape[0] == dim0 else full[:dim0]
+    if full.shape[0] != size:
+        full = full[:size]
+    return full.movedim(0, d).contiguous() if d else full
 
 
-def _reduce(g: torch.Tensor, plan: _Plan, dim0: int) -> torch.Tensor:
-    """Reduce-scatter ``g`` over the shard dim, all-reduce over the replicate dim (HSDP),
-    averaged over both; this rank's rows."""
-    per_rank, held = _rows(plan, dim0)
-    pad = per_rank * plan.world - dim0
-    if pad:
-        g = torch.cat([g, g.new_zeros((pad, *g.shape[1:]))])
+def _reduce(g: torch.Tensor, plan: _Plan, layout: _Layout) -> torch.Tensor:
+    """Reduce-scatter ``g`` over the shard dim (all-reduce it, for a replicated parameter),
+    all-reduce over the replicate dim (HSDP), averaged over both; this rank's shard."""
     pre, post = _divide(plan.world * plan.replicas, g.dtype)
     if pre != 1:
         g = g / pre
-    out = g
-    if plan.world > 1:  # (one shard rank: nothing to scatter)
-        out = _FUNCTIONAL.reduce_scatter_tensor(g.contiguous(), "sum", plan.world, plan.group_name)
-        out = _FUNCTIONAL.wait_tensor(out)
+    d, size = layout.dim, layout.shape[layout.dim]
+    per_rank, held = _rows(plan, size)
+    if layout.replicated:
+        out = g
+        if plan.world > 1:
+            out = _FUNCTIONAL.wait_tensor(_FUNCTIONAL.all_reduce(g, "sum", plan.group_name))
+    else:
+        if d:
+            g = g.movedim(d, 0)
+        pad = per_rank * plan.world - size
+        if pad:
+            g = torch.cat([g, g.new_zeros((pad, *g.shape[1:]))])
+        out = g
+        if plan.world > 1:  # (one shard rank: nothing to scatter)
+            out = _FUNCTIONAL.reduce_scatter_tensor(
+                g.contiguous(), "sum", plan.world, plan.group_name
+            )
+            out = _FUNCTIONAL.wait_tensor(out)
     if plan.replicate_name is not None:
         out = _FUNCTIONAL.wait_tensor(_FUNCTIONAL.all_reduce(out, "sum", plan.replicate_name))
     if post != 1:
         out = out / post
-    return out if held == per_rank else out[:held]
+    if not layout.replicated and held != per_rank:
+        out = out[:held]
+    return out.movedim(0, d).contiguous() if d and not layout.replicated else out
 
 
 class _Unshard(torch.autograd.Function):
@@ -203,13 +227,13 @@ class _Unshard(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, local: torch.Tensor, pending: torch.Tensor | None, plan: _Plan, dim0: int
+        ctx: Any, local: torch.Tensor, pending: torch.Tensor | None, plan: _Plan, layout: _Layout
     ) -> torch.Tensor:
-        ctx.plan, ctx.dim0, ctx.orig_dtype = plan, dim0, local.dtype
+        ctx.plan, ctx.layout, ctx.orig_dtype = plan, layout, local.dtype
         ctx.pending = pending is not None
         if pending is not None:
             ctx.save_for_backward(pending)
-        return _all_gather(local, plan, dim0)
+        return _all_gather(local, plan, layout)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
@@ -218,7 +242,7 @@ class _Unshard(torch.autograd.Function):
         if ctx.pending:
             (pending,) = ctx.saved_tensors
             g = g + pending.to(g.dtype)
-        return _reduce(g, plan, ctx.dim0).to(ctx.orig_dtype), None, None, None
+        return _reduce(g, plan, ctx.layout).to(ctx.orig_dtype), None, None, None
 
 
 class _UnshardNoSync(torch.autograd.Function):
@@ -227,10 +251,10 @@ class _UnshardNoSync(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, local: torch.Tensor, acc: torch.Tensor, plan: _Plan, dim0: int
+        ctx: Any, local: torch.Tensor, acc: torch.Tensor, plan: _Plan, layout: _Layout
     ) -> torch.Tensor:
         ctx.acc_dtype = acc.dtype
-        return _all_gather(local, plan, dim0)
+        return _all_gather(local, plan, layout)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None, None]:
@@ -271,16 +295,15 @@ def _unshard(plan: _Plan, slot: int) -> torch.Tensor:
     else:
         assert acc is not None, "set_requires_gradient_sync(False) makes the sinks"
         fn, extra, local = _UnshardNoSync.apply, acc, local.detach()
-    dim0 = layout.shape[0]
     out: torch.Tensor
     if plan.reshard and torch.compiler.is_compiling():
         from torch.utils.checkpoint import checkpoint
 
         out = checkpoint(
-            fn, local, extra, plan, dim0, use_reentrant=False, context_fn=_recompute_collectives
+            fn, local, extra, plan, layout, use_reentrant=False, context_fn=_recompute_collectives
         )
     else:
-        out = fn(local, extra, plan, dim0)
+        out = fn(local, extra, plan, layout)
     if layout.tp is None:
         return out
     mesh, placements, shape, stride = layout.tp

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp2._core.front.sharding import FSDPModule, _check_ignored
+from fsdp2._core.params.placement import _shard_dim
 from fsdp2._core.support.mesh import default_mesh, dp_tp_mesh, mesh_info
 from fsdp2.api import MixedPrecisionPolicy, OffloadPolicy
 from fsdp2.traced._gather import _Layout, _Plan, _rows, arm
@@ -39,7 +40,6 @@ def _check(
     reshard_after_forward: Any,
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy,
-    unsupported: dict[str, Any],
 ) -> None:
     where = f"fully_shard_traced({type(module).__name__})"
     if isinstance(module, TracedModule):
@@ -64,9 +64,32 @@ def _check(
         raise NotImplementedError(f"{where}: MixedPrecisionPolicy.grad_dtype is not traced yet")
     if type(offload_policy) is not OffloadPolicy:
         raise NotImplementedError(f"{where}: offload_policy is not supported in the traced mode")
-    for name, value in unsupported.items():
-        if value is not None:
-            raise NotImplementedError(f"{where}: {name} is not supported in the traced mode yet")
+
+
+def _placed(
+    fn: Callable[[nn.Parameter], Any] | None,
+    p: nn.Parameter,
+    fqn: str,
+    mesh: DeviceMesh,
+    name: str,
+) -> _Layout:
+    """A plain parameter's layout from ``shard_placement_fn``: ``None`` or ``Shard(dim)``
+    (``fully_shard``'s rules: in range; even on a dim other than 0) or ``Replicate()``
+    (whole on every rank of ``mesh``, its gradient all-reduced)."""
+    placement = fn(p) if fn is not None else None
+    if isinstance(placement, Replicate):
+        return _Layout(p.shape, replicated=True)
+    if placement is not None and not isinstance(placement, Shard):
+        what = type(placement).__name__
+        raise NotImplementedError(
+            f"fully_shard_traced({name}): shard_placement_fn returned a {what} for {fqn!r}; "
+            "the traced mode takes Shard(dim), Replicate() or None (no per-parameter meshes)"
+        )
+    try:  # fully_shard's rules for the dim
+        dim = _shard_dim(placement, p, fqn, mesh_info(mesh), name)
+    except (TypeError, ValueError) as e:
+        raise type(e)(str(e).replace("fully_shard(", "fully_shard_traced(", 1)) from None
+    return _Layout(p.shape, dim=dim)
 
 
 def _traced_tp_mesh(p: DTensor, mesh: DeviceMesh, fqn: str) -> DeviceMesh:
@@ -137,7 +160,11 @@ def fully_shard_traced(
         reshard_after_forward: ``True``: when compiled, backward all-gathers again (the
             gather is recomputed, not saved); ``False``: the unsharded parameters are saved
             for backward. Eager (uncompiled) calls always save them.
-        shard_placement_fn: not supported yet (``NotImplementedError``).
+        shard_placement_fn: as ``fully_shard``'s for plain parameters: ``Shard(dim)`` (even
+            on a dim other than 0), ``Replicate()`` (whole on every rank, the gradient
+            all-reduced) or ``None`` (``Shard(0)``); per-parameter meshes
+            (``ShardPlacementResult``) and other placements for tensor-parallel parameters
+            raise ``NotImplementedError``.
         ignored_params: parameters left as they are, as ``fully_shard``'s: not sharded, not
             gathered, their gradients not reduced.
         mp_policy: ``param_dtype``, ``reduce_dtype``, ``output_dtype``,
@@ -149,35 +176,43 @@ def fully_shard_traced(
 
     Raises:
         NotImplementedError: a feature the traced mode does not have yet (offloading,
-            0-dim parameters, ``shard_placement_fn``, ...), before any collective.
+            0-dim parameters not placed ``Replicate()``, per-parameter meshes, ...),
+            before any collective.
         ValueError: ``module`` is sharded already (by either mode); a mesh of more than 2
             dims, or a 2D one without ``mesh_dim_names``; a DTensor parameter on a mesh
             that is no other dimension of ``mesh``'s root, or ``Partial``.
     """
     mesh = default_mesh() if mesh is None else mesh
-    unsupported = {"shard_placement_fn": shard_placement_fn}
     try:
         ignored = _check_ignored(ignored_params)  # fully_shard's rules
     except TypeError as e:
         raise TypeError(f"fully_shard_traced({type(module).__name__}): {e}") from None
-    _check(module, mesh, reshard_after_forward, mp_policy, offload_policy, unsupported)
+    _check(module, mesh, reshard_after_forward, mp_policy, offload_policy)
     owners = _owned(module)
     tp_meshes: dict[int, DeviceMesh] = {}  # id(parameter) -> the concatenated (dp, tp) mesh
+    layouts: dict[int, _Layout] = {}  # id(parameter) -> its layout, for the plain ones
     for path, mod in owners:
         for name, p in mod._parameters.items():
-            if id(p) in ignored:
+            if p is None or id(p) in ignored:
                 continue
             fqn = f"{path}.{name}" if path else name
-            value: torch.Tensor | None = p  # a Parameter, or one wrapping a DTensor (TP)
+            value: torch.Tensor = p  # a Parameter, or one wrapping a DTensor (TP)
             if isinstance(value, DTensor):
                 tp_meshes[id(p)] = _traced_tp_mesh(value, mesh, fqn)
-            if p is not None and p.dim() == 0:
+                if shard_placement_fn is not None and shard_placement_fn(p) is not None:
+                    raise NotImplementedError(
+                        f"fully_shard_traced: parameter {fqn!r} is tensor parallel; the "
+                        "traced mode shards those on dim 0 only: return None for it from "
+                        "shard_placement_fn"
+                    )
+            else:
+                layouts[id(p)] = _placed(shard_placement_fn, p, fqn, mesh, type(module).__name__)
+            if p.dim() == 0 and not (id(p) in layouts and layouts[id(p)].replicated):
                 raise NotImplementedError(
                     f"fully_shard_traced: parameter {fqn!r} is 0-dim; the traced mode "
-                    "shards dim 0 only"
+                    "shards none: keep it whole with shard_placement_fn returning Replicate()"
                 )
     plan = _Plan(type(module).__name__, mesh, reshard_after_forward, mp_policy)
-    placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]  # as fully_shard
     slots: dict[int, int] = {}  # a tied parameter is sharded once, and has one slot
     for path, mod in owners:
         names: dict[str, int] = {}
@@ -191,7 +226,10 @@ def fully_shard_traced(
                 if isinstance(value, DTensor):
                     dt, layout = _shard_tp(value, plan, tp_meshes[id(p)], mesh.ndim)
                 else:
-                    dt, layout = distribute_tensor(p.detach(), mesh, placements), _Layout(p.shape)
+                    layout = layouts[id(p)]
+                    dp: Placement = Replicate() if layout.replicated else Shard(layout.dim)
+                    placed = [dp] if mesh.ndim == 1 else [Replicate(), dp]  # as fully_shard
+                    dt = distribute_tensor(p.detach(), mesh, placed)
                 slots[id(p)] = len(plan.params)
                 plan.layouts.append(layout)
                 plan.accs.append(None)

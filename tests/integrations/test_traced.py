@@ -293,8 +293,9 @@ def _state_dict_and_errors(ckpt_dir: str) -> dict[str, Any]:
     refused(
         "grad_dtype", lambda: fully_shard_traced(nn.Linear(4, 4), mesh=mesh, mp_policy=grad_dtype)
     )
+    per_param_mesh = fsdp2.ShardPlacementResult(placement=Shard(0), mesh=mesh)
     refused("placement", lambda: fully_shard_traced(
-        nn.Linear(4, 4), mesh=mesh, shard_placement_fn=lambda p: Shard(0)))  # fmt: skip
+        nn.Linear(4, 4), mesh=mesh, shard_placement_fn=lambda p: per_param_mesh))  # fmt: skip
     try:
         fully_shard_traced(eager.layers[0], mesh=mesh)
     except ValueError as e:

@@ -43,6 +43,7 @@ import torch.nn as nn
 import tp_models
 from _harness import run_on_ranks
 from helpers import check_close_run, check_same, check_same_run, hsdp_mesh, world_mesh
+from test_traced_leaves import mixed_placement
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -146,6 +147,10 @@ def _train(
         "graphs": graphs,
         "breaks": sum(counters["graph_break"].values()),
         "n_params": len(list(model.parameters())),
+        "n_whole": sum(  # kept whole by shard_placement_fn: all-reduced, not gathered
+            isinstance(p, DTensor) and all(isinstance(q, Replicate) for q in p.placements)
+            for p in model.parameters()
+        ),
     }
 
 
@@ -223,10 +228,11 @@ def _accumulate(hsdp_bf16: bool) -> dict[str, Any]:
     rank, ws = dist.get_rank(), dist.get_world_size()
     mesh = hsdp_mesh((2, 2)) if hsdp_bf16 else world_mesh()
     kw: dict[str, Any] = {}
-    if hsdp_bf16:
+    if hsdp_bf16:  # also norms and biases kept whole, one weight sharded on dim 1
         kw["mp_policy"] = fsdp2.MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
         )
+        kw["shard_placement_fn"] = mixed_placement
     out = _four_ways(mesh, not hsdp_bf16, micro=3, **kw)
     if hsdp_bf16:  # HSDP's state dict and refused meshes (cheap: no training)
         out["hsdp"] = _hsdp_state(mesh)
@@ -271,13 +277,16 @@ def test_traced_accumulation(hsdp_bf16: bool) -> None:
     # Step 1 compiles the no-sync graph, then (one recompile) the synced one adding the
     # sums; step 2 compiles nothing.
     assert compiled["graphs"] == [2] * STEPS, compiled["graphs"]
-    n = compiled["n_params"]
+    n, whole = compiled["n_params"], compiled["n_whole"]
+    assert (whole > 0) == hsdp_bf16, whole  # HSDP's case keeps norms and biases whole
     kinds = [kind for kind, _ in res["ops"]]
     assert kinds == ["fw", "bw", "fw", "bw"], kinds
     (_, fw_nosync), (_, bw_nosync), (_, fw_sync), (_, bw_sync) = res["ops"]
-    assert fw_nosync.count(AG) == n == fw_sync.count(AG), (fw_nosync, fw_sync)
+    assert fw_nosync.count(AG) == n - whole == fw_sync.count(AG), (fw_nosync, fw_sync)
     assert RS not in bw_nosync and AR not in bw_nosync, bw_nosync
-    assert bw_sync.count(RS) == n and bw_sync.count(AR) == (n if hsdp_bf16 else 0), bw_sync
+    # A whole parameter is all-reduced over the shard dim, each over the replicate dim.
+    ars = n + whole if hsdp_bf16 else 0
+    assert bw_sync.count(RS) == n - whole and bw_sync.count(AR) == ars, bw_sync
     check_same(*res["dropped"], "synced grads after zero_grad dropped the sum", bitwise=True)
     if hsdp_bf16:
         _check_hsdp_state(res["hsdp"])
@@ -354,6 +363,10 @@ def _tp_train(mesh_name: str, how: str, backend: _Graphs | None = None) -> dict[
         "breaks": sum(counters["graph_break"].values()),
         "graphs": counters["stats"]["unique_graphs"],
         "n_params": len(list(model.parameters())),
+        "n_whole": sum(  # kept whole by shard_placement_fn: all-reduced, not gathered
+            isinstance(p, DTensor) and all(isinstance(q, Replicate) for q in p.placements)
+            for p in model.parameters()
+        ),
     }
 
 

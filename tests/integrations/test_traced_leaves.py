@@ -16,11 +16,12 @@ parameters at the end:
 5. ``to_empty`` and a reload (the local tensors replaced in place): trains on.
 
 Both shard with one bias in ``ignored_params`` (left a plain parameter, its gradient
-unreduced, as ``fully_shard`` leaves it). Also: the forward graph's inputs are plain tensors
-(no DTensor to unwrap per step), a post-accumulate-grad hook on a sharded parameter runs
-once per step with the gradient on it, a parameter replaced by a DTensor of other
-placements raises ``ValueError``, and one replaced behind its module's back
-(``_parameters`` written directly) raises in backward.
+unreduced, as ``fully_shard`` leaves it) and ``mixed_placement`` (norms and biases
+``Replicate()``, one weight ``Shard(1)``: the same DTensor placements as eager's). Also:
+the forward graph's inputs are plain tensors (no DTensor to unwrap per step), a
+post-accumulate-grad hook on a sharded parameter runs once per step with the gradient on
+it, a parameter replaced by a DTensor of other placements raises ``ValueError``, and one
+replaced behind its module's back (``_parameters`` written directly) raises in backward.
 """
 
 from __future__ import annotations
@@ -33,12 +34,20 @@ import torch.distributed as dist
 import torch.nn as nn
 from _harness import run_on_ranks
 from helpers import check_close_run, check_same, expect_raises, world_mesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fsdp2
 from fsdp2.traced import fully_shard_traced
 
 ORDERS = ("plain", "freeze", "unfreeze", "assign", "to_empty")
+
+
+def mixed_placement(p: nn.Parameter) -> Replicate | Shard | None:
+    """``shard_placement_fn`` for the tiny transformer: norms and biases kept whole
+    (``Replicate()``), the MLP's first weight (40 x 32) sharded on dim 1, the rest on dim 0."""
+    if p.ndim == 1:
+        return Replicate()
+    return Shard(1) if p.shape[0] == 40 else None
 
 
 class _Inputs:
@@ -60,7 +69,9 @@ def _train(how: str) -> dict[str, Any]:
     model = models.build("transformer")
     fn = fsdp2.fully_shard if how == "eager" else fully_shard_traced
     ignored = model.layers[1].fc2.bias  # type: ignore[index]
-    models.shard_model(model, fn, world_mesh(), ignored_params={ignored})
+    models.shard_model(
+        model, fn, world_mesh(), ignored_params={ignored}, shard_placement_fn=mixed_placement
+    )
     inputs = _Inputs()
     run = torch.compile(model, backend=inputs, fullgraph=True) if how == "traced" else model
     opt = models.make_optimizer("adamw", model.parameters())
@@ -99,6 +110,9 @@ def _train(how: str) -> dict[str, Any]:
         "hooks": hooks,
         "dtensor_inputs": inputs.dtensor_inputs,
         "ignored": (type(ignored).__name__, ignored.detach().clone()),
+        "placements": {
+            n: str(p.placements) for n, p in model.named_parameters() if isinstance(p, DTensor)
+        },  # fmt: skip
     }
     if how == "traced":
         out["errors"] = _errors(model, run)
@@ -137,6 +151,9 @@ def test_traced_leaves_orders() -> None:
     assert not all(frozen) and any(frozen), frozen
     assert all(traced["got_grad"][ORDERS.index("unfreeze")]), traced["got_grad"]
     assert traced["dtensor_inputs"] == 0, traced["dtensor_inputs"]
+    assert traced["placements"] == eager["placements"], (traced["placements"], eager["placements"])
+    assert "Shard(dim=1)" in traced["placements"]["layers.0.fc1.weight"], traced["placements"]
+    assert "Replicate" in traced["placements"]["norm.weight"], traced["placements"]
     # ignored_params: left as they are (a plain Parameter, its gradient this rank's own).
     assert traced["ignored"][0] == eager["ignored"][0] == "Parameter", traced["ignored"]
     check_same({"bias": traced["ignored"][1]}, {"bias": eager["ignored"][1]}, "ignored bias",
