@@ -62,6 +62,7 @@ LAYERS = [
         "params.dtypes",
         "params.views",
     ],
+    ["params.faces"],
     ["params.param", "params.extension"],
     ["params.storage"],
     ["comm.collectives"],

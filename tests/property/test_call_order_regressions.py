@@ -85,6 +85,22 @@ FOUND: dict[str, tuple[int, Rules]] = {
             ("clip", {"max_norm": 0.05, "via": "reduction"}),
         ],
     ),
+    # A replicated block frozen while its group was unsharded (after a no_grad forward), the
+    # group resharded by a state-dict round trip, the model unfrozen: the next forward's sync
+    # read the unsharded face's stale False as the newer flip and froze the block again (no
+    # gradient, no update). Found by the suite's long profile; [Note: freezing] in faces.py.
+    "unfreeze_after_face_switch": (
+        1,
+        [
+            _build("reduce64", (True, False, True), nested=True, bucket=1 << 20,
+                   kinds=("replicate", "small", "small", "shard")),  # fmt: skip
+            ("forward", {"mode": "no_grad"}),
+            ("freeze", {"value": False, "where": "layers.0"}),
+            ("state_dict_round_trip", {"via": "memory"}),
+            ("freeze", {"value": True, "where": ""}),
+            ("penalty", {"alone": False}),
+        ],
+    ),
 }
 
 

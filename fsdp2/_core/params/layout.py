@@ -20,6 +20,7 @@ from fsdp2._core.comm.gloo import is_gloo
 from fsdp2._core.comm.transport import copy_out
 from fsdp2._core.params.dtypes import apply_policy, group_dtype, install, promoted
 from fsdp2._core.params.extension import ALIGN, VIEW, Extension
+from fsdp2._core.params.faces import sync_requires_grad
 from fsdp2._core.params.param import FSDPParam
 from fsdp2._core.params.residence import Residence, move_sharded, point_at
 from fsdp2._core.params.storage import free_storage as _free
@@ -153,7 +154,7 @@ class GroupLayout:
         self._unsharded_reg_counts = Counter(id(t) for _, _, t in self._unsharded_regs)
         self.sharded_params = [p.sharded for p in self.params]
         track(self)  # see [Note: optimizers holding unsharded parameters]
-        # trainable, and frozen since the last reduction (see relayout.sync_requires_grad)
+        # trainable, and frozen since the last reduction (see faces.sync_requires_grad)
         self.grad_params = [p for p in self.params if p.requires_grad or p in self.draining]
         self.has_scalars = any(p.is_scalar for p in self.grad_params)  # see reduce.py
         # the gradients' promoted dtype: the reduction's without reduce_dtype; and their
@@ -380,10 +381,12 @@ class GroupLayout:
         return sys.getrefcount(p.unsharded) - sys.getrefcount(_PROBE.t) + 1 == ours
 
     def register_sharded(self) -> None:
+        sync_requires_grad(self)  # the registered face may hold a flip: [Note: freezing]
         for d, n, t in self._sharded_regs:
             d[n] = t
 
     def register_unsharded(self) -> None:
+        sync_requires_grad(self)
         for d, n, t in self._unsharded_regs:
             d[n] = t
 
@@ -467,9 +470,8 @@ _PROBE = _Probe()
 
 
 def _cpp_hold() -> int:
-    """The Python references a tensor's object gains while C++ holds the tensor beyond the
-    object's own reference (its gradient accumulator, a view): 1 on torch releases whose
-    tensors keep their Python object alive from C++ (torch 2.13), else 0."""
+    """The references a tensor's object gains while C++ holds the tensor (its gradient
+    accumulator, a view): 1 where C++ keeps the Python object alive (torch 2.13), else 0."""
     with torch.inference_mode(False):  # a view holds its base (not in inference mode)
         t = torch.empty(0)
         alone = sys.getrefcount(t)
@@ -483,8 +485,7 @@ _CPP_HOLD = _cpp_hold()
 
 
 def _forget_fake(*ts: torch.Tensor) -> None:
-    """Drop ``ts`` from their fake mode's conversion memo, whose weak references would make
-    ``swap_tensors`` refuse them (fsdp2.estimate_memory's simulated step)."""
+    """Drop ``ts`` from their fake mode's memo (its weak references fail ``swap_tensors``)."""
     for t in ts:
         if isinstance(t, FakeTensor):
             memo = t.fake_mode.fake_tensor_converter.meta_converter.tensor_memo
