@@ -92,8 +92,13 @@ FOUND: dict[str, tuple[int, Rules]] = {
     "unfreeze_after_face_switch": (
         1,
         [
-            _build("reduce64", (True, False, True), nested=True, bucket=1 << 20,
-                   kinds=("replicate", "small", "small", "shard")),  # fmt: skip
+            _build(
+                "reduce64",
+                (True, False, True),
+                nested=True,
+                bucket=1 << 20,
+                kinds=("replicate", "small", "small", "shard"),
+            ),  # fmt: skip
             ("forward", {"mode": "no_grad"}),
             ("freeze", {"value": False, "where": "layers.0"}),
             ("state_dict_round_trip", {"via": "memory"}),
