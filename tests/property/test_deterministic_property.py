@@ -18,14 +18,17 @@ takes its power-of-two paths). The ``ci`` profile's examples are fixed (derandom
 
 from __future__ import annotations
 
+import os
+import random
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from _harness import run_on_ranks
-from _profiles import profile, profile_name
+from _profiles import SEED_ENV, profile, profile_name
 from hypothesis import given
+from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -85,7 +88,7 @@ def _train(spec: dict[str, Any], mesh: DeviceMesh, rank: int, world: int) -> lis
     return out
 
 
-def _property(world: int, name: str, n: int) -> int:
+def _property(world: int, name: str, n: int, seed: int | None) -> int:
     rank = dist.get_rank()
     singles = [dist.new_group([r]) for r in range(world)]  # every rank alone: the 1-rank runs
     alone = DeviceMesh.from_group(singles[rank], "cpu")
@@ -127,6 +130,8 @@ def _property(world: int, name: str, n: int) -> int:
         bad = [i for i, (a, b) in enumerate(zip(ours, solo, strict=True)) if not torch.equal(a, b)]
         assert not bad, f"{spec} on mesh {tuple(mesh.shape)}: entries {bad} differ from 1 rank"
 
+    if seed is not None:  # every rank draws the same examples (long: not derandomized)
+        check = hypothesis_seed(seed)(check)
     check()
     dist.barrier()
     return seen[0]
@@ -142,5 +147,9 @@ _WS2_MARKS = pytest.mark.long if profile_name() == "ci" else ()
 def test_same_bits_as_one_rank(world_size: int) -> None:
     name = profile_name()
     n = EXAMPLES[name][world_size]
-    seen = run_on_ranks(world_size, _property, world_size, name, n, timeout=300.0 + 10.0 * n)
+    seed = None  # ci: derandomized, the same examples on every rank
+    if name != "ci":  # one seed for all ranks, or each draws its own models (and collectives)
+        seed = int(os.environ.get(SEED_ENV) or random.randrange(2**32))
+        print(f"{SEED_ENV}={seed} HYPOTHESIS_PROFILE={name}")
+    seen = run_on_ranks(world_size, _property, world_size, name, n, seed, timeout=300.0 + 10.0 * n)
     assert all(s >= n for s in seen), seen
