@@ -151,6 +151,17 @@ def shard(model: nn.Module, engine: str, mesh: Any, offload: bool = False) -> nn
     return model
 
 
+def materialize(model: nn.Module, device: str) -> None:
+    """A model sharded on the meta device, on ``device`` with seeded values (each rank its
+    own shard's normal draws) and its RoPE buffer rebuilt (non-persistent)."""
+    model.to_empty(device=device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().normal_(std=0.02)
+    model.rope = model._rope(torch.device(device))  # type: ignore[operator]
+
+
 def random_tokens(cfg: LlamaConfig, batch: int, seq: int, n: int) -> torch.Tensor:
     """``n`` batches of ``batch`` x ``seq + 1`` tokens (inputs and shifted targets), seed 1234."""
     g = torch.Generator().manual_seed(1234)

@@ -66,6 +66,7 @@ from _gpu_harness import (  # noqa: E402
     init_fake_rank0,
     init_one_rank,
     interleaved,
+    materialize,
     measured,
     random_tokens,
     ratios,
@@ -169,12 +170,7 @@ def _memory_one(device: str, size: str, engine: str, world: int) -> dict[str, An
     with torch.device("meta"):
         model = Llama(cfg)
     shard(model, engine, mesh)
-    model.to_empty(device=device)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.to_local().normal_(std=0.02)
-    model.rope = model._rope(torch.device(device))  # a non-persistent buffer
+    materialize(model, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = random_tokens(cfg, batch, seq, 3)
     n_params = sum(p.numel() for p in model.parameters())

@@ -1,10 +1,10 @@
 """The traced mode's graph inputs are the parameters' local shards ([Note: traced leaves] in
 fsdp2/traced/_gather.py): what users do to parameters between steps still holds.
 
-One worker (2 ranks, gloo) trains the tiny transformer with eager ``fsdp2.fully_shard`` and
-with the traced mode under ``torch.compile(fullgraph=True)`` (``aot_eager``), through the
-same orders, and compares losses every step, which parameters got a gradient and the
-parameters at the end:
+One worker (2 ranks, gloo) trains the tiny transformer with eager ``fsdp2.fully_shard``,
+with torch's FSDP2 and with the traced mode under ``torch.compile(fullgraph=True)``
+(``aot_eager``), through the same orders, and compares losses every step, which parameters
+got a gradient and the parameters at the end:
 
 1. a plain step, two synced backwards summed into the gradients before the optimizer;
 2. block 0 frozen (``requires_grad_(False)`` after the graph was made): no gradient, no
@@ -67,11 +67,22 @@ def _train(how: str) -> dict[str, Any]:
     torch._dynamo.reset()
     rank, ws = dist.get_rank(), dist.get_world_size()
     model = models.build("transformer")
-    fn = fsdp2.fully_shard if how == "eager" else fully_shard_traced
     ignored = model.layers[1].fc2.bias  # type: ignore[index]
-    models.shard_model(
-        model, fn, world_mesh(), ignored_params={ignored}, shard_placement_fn=mixed_placement
-    )
+    if how == "torch":  # torch's FSDP2 beside: Shard(d) only (no Replicate() placement)
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        def place(p: nn.Parameter) -> Shard | None:
+            return Shard(1) if p.ndim == 2 and p.shape[0] == 40 else None
+
+        models.shard_model(
+            model, torch_fully_shard, world_mesh(), ignored_params={ignored},
+            shard_placement_fn=place,
+        )  # fmt: skip
+    else:
+        fn = fsdp2.fully_shard if how == "eager" else fully_shard_traced
+        models.shard_model(
+            model, fn, world_mesh(), ignored_params={ignored}, shard_placement_fn=mixed_placement
+        )
     inputs = _Inputs()
     run = torch.compile(model, backend=inputs, fullgraph=True) if how == "traced" else model
     opt = models.make_optimizer("adamw", model.parameters())
@@ -141,7 +152,7 @@ def _errors(model: nn.Module, run: Any) -> list[str]:
 
 
 def _both() -> dict[str, Any]:
-    return {"eager": _train("eager"), "traced": _train("traced")}
+    return {how: _train(how) for how in ("eager", "traced", "torch")}
 
 
 def test_traced_leaves_orders() -> None:
@@ -149,7 +160,11 @@ def test_traced_leaves_orders() -> None:
     eager, traced = res["eager"], res["traced"]
     tol, param_tol = {"rtol": 1e-4, "atol": 1e-4}, {"rtol": 1e-3, "atol": 1e-3}
     check_close_run(traced, eager, "traced vs eager fsdp2", tol=tol, param_tol=param_tol)
-    assert traced["got_grad"] == eager["got_grad"], (traced["got_grad"], eager["got_grad"])
+    # torch's FSDP2 through the same orders (_apply by to_empty, assign=True, freezing):
+    theirs = res["torch"]
+    check_close_run(traced, theirs, "traced vs torch's FSDP2", tol=tol, param_tol=param_tol)
+    assert traced["got_grad"] == eager["got_grad"] == theirs["got_grad"], res
+    assert theirs["hooks"] == traced["hooks"], (theirs["hooks"], traced["hooks"])
     frozen = traced["got_grad"][ORDERS.index("freeze")]
     assert not all(frozen) and any(frozen), frozen
     assert all(traced["got_grad"][ORDERS.index("unfreeze")]), traced["got_grad"]
